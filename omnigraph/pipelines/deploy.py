@@ -1,0 +1,299 @@
+"""The deploy YAML: which bundle each stage runs, on which route, under which resource budget.
+
+The shape follows vllm-omni's stage configs plus the graph keys of DESIGN.md "Stage plan". Every
+key is checked strictly (unknown keys, wrong types, missing manifests) and errors name the YAML
+path, e.g. ``stages[0].backend.route.ep``. ``base_config`` names another YAML merged under this
+one (stages merge by ``stage_id``). Relative paths resolve against the folder of the YAML that
+wrote them.
+
+A YAML normally names a registered pipeline; a YAML for a pipeline nobody registered declares its
+stages inline with vllm-omni's stage keys (``model_stage``, ``input_sources``, ``final_output``,
+``final_output_type``, ``custom_process_input_func``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from omnigraph.pipelines.config import (
+    PipelineConfig,
+    PipelineConfigError,
+    StageExecutionType,
+    StagePipelineConfig,
+)
+from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
+
+GRAPH_BACKEND = "external.graph.v1"
+DEFAULT_MAX_QUEUED_REQUESTS = 32
+DEFAULT_MAX_IO_BYTES = 64 * 1024 * 1024
+_DECLARATION_KEYS = ("model_stage", "execution_type", "input_sources", "final_output",
+                     "final_output_type", "custom_process_input_func")
+
+
+class DeployConfigError(ValueError):
+    """A deploy YAML is unusable; every line of the message starts with the offending YAML path."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class RouteConfig(_Strict):
+    """Where and how a stage's worker process runs (becomes a `WorkerRoute`)."""
+
+    name: str
+    interpreter: str = Field(default_factory=lambda: sys.executable)
+    ep: Literal["cpu", "cuda", "tensorrt"] = "cpu"
+    device_id: int = Field(default=0, ge=0)
+    os_domain: Literal["posix", "nt"] = "posix"
+    provider_options: dict[str, str | int | float | bool] = Field(default_factory=dict)
+    enable_cuda_graph: bool = False
+    intra_op_num_threads: int | None = Field(default=None, ge=1)
+
+
+class GraphBackendConfig(_Strict):
+    """A graph stage's backend: a verified ONNX bundle run by a worker on a route."""
+
+    name: Literal["external.graph.v1"]
+    manifest: Path
+    route: RouteConfig
+    max_io_bytes: int = Field(default=DEFAULT_MAX_IO_BYTES, gt=0)
+    min_fraction_on_target: float = Field(default=1.0, ge=0.0, le=1.0)
+    allowed_providers: list[str] | None = None
+
+    @field_validator("manifest", mode="before")
+    @classmethod
+    def _resolve_manifest(cls, value: Any, info: ValidationInfo) -> Any:
+        if not isinstance(value, (str, Path)) or not str(value):
+            raise ValueError("must be a path to a bundle folder or its manifest.json")
+        path = Path(value).expanduser()
+        if not path.is_absolute():
+            path = Path((info.context or {}).get("base_dir", ".")) / path
+        path = path.resolve()
+        if not path.exists():
+            raise ValueError(f"no such bundle or manifest: {path}")
+        return path
+
+
+class ResourceBudgetConfig(_Strict):
+    """Pre-load ceilings (`capacities`) and what one replica of the stage takes (`demands`)."""
+
+    capacities: dict[str, int] = Field(default_factory=dict)
+    demands: dict[str, int] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_amounts(self) -> ResourceBudgetConfig:
+        for table in ("capacities", "demands"):
+            for key, amount in getattr(self, table).items():
+                if not key:
+                    raise ValueError(f"{table}: constraint names must be non-empty")
+                if amount < 0:
+                    raise ValueError(f"{table}.{key}: must be >= 0, got {amount}")
+        unknown = sorted(set(self.demands) - set(self.capacities))
+        if unknown:
+            raise ValueError(f"demands name constraints without a capacity: {unknown}")
+        return self
+
+
+class StageDeployConfig(_Strict):
+    """One stage of the plan; the declaration keys are only for pipelines declared inline."""
+
+    stage_id: int = Field(ge=0)
+    backend: GraphBackendConfig | None = None
+    resource_budget: ResourceBudgetConfig = Field(default_factory=ResourceBudgetConfig)
+    num_replicas: int = Field(default=1, ge=1)
+    env: dict[str, str] = Field(default_factory=dict)
+    model_stage: str | None = None
+    execution_type: Literal["graph", "llm_pooling"] | None = None
+    input_sources: list[int] | None = None
+    final_output: bool | None = None
+    final_output_type: str | None = None
+    custom_process_input_func: str | None = None
+
+    def declares(self) -> bool:
+        return any(getattr(self, key) is not None for key in _DECLARATION_KEYS)
+
+
+class DeployConfig(_Strict):
+    """A whole deployment plan for one pipeline."""
+
+    pipeline: str
+    async_chunk: bool = False
+    max_queued_requests: int = Field(default=DEFAULT_MAX_QUEUED_REQUESTS, ge=1)
+    stages: list[StageDeployConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _check_stages(self) -> DeployConfig:
+        ids = [stage.stage_id for stage in self.stages]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"stage ids repeat: {ids}")
+        return self
+
+    def stage(self, stage_id: int) -> StageDeployConfig:
+        return next(stage for stage in self.stages if stage.stage_id == stage_id)
+
+
+def load_deploy_config(path: str | Path) -> DeployConfig:
+    """Read, merge (`base_config`) and validate a deploy YAML."""
+    path = Path(path).expanduser().resolve()
+    return validate_deploy_config(_read_merged(path, seen=()), base_dir=path.parent)
+
+
+def validate_deploy_config(data: Mapping[str, Any], *, base_dir: str | Path = ".") -> DeployConfig:
+    """Validate an already-parsed plan; relative paths resolve against `base_dir`."""
+    try:
+        return DeployConfig.model_validate(dict(data), context={"base_dir": str(base_dir)})
+    except ValidationError as exc:
+        raise DeployConfigError(_format_errors(exc)) from None
+
+
+def resolve_pipeline(deploy: DeployConfig) -> PipelineConfig:
+    """The pipeline a plan runs, checked against the plan's stages.
+
+    A registered pipeline keeps its own declaration (inline declaration keys are refused); an
+    unregistered name must be declared inline by its stages.
+    """
+    inline = [stage for stage in deploy.stages if stage.declares()]
+    try:
+        pipeline = get_pipeline(deploy.pipeline)
+    except PipelineNotFound as exc:
+        if not inline:
+            raise DeployConfigError(f"pipeline: {exc}") from None
+        pipeline = _inline_pipeline(deploy)
+    else:
+        if inline:
+            index = deploy.stages.index(inline[0])
+            raise DeployConfigError(
+                f"stages[{index}]: pipeline {deploy.pipeline!r} is registered and declares its own "
+                f"stages; remove {', '.join(k for k in _DECLARATION_KEYS if getattr(inline[0], k) is not None)}"
+            )
+    declared = sorted(stage.stage_id for stage in pipeline.stages)
+    planned = sorted(stage.stage_id for stage in deploy.stages)
+    if declared != planned:
+        raise DeployConfigError(f"stages: pipeline {pipeline.model_type!r} declares stages {declared}, the plan has {planned}")
+    for index, stage in enumerate(deploy.stages):
+        kind = pipeline.stage(stage.stage_id).execution_type
+        if kind is StageExecutionType.GRAPH and stage.backend is None:
+            raise DeployConfigError(f"stages[{index}].backend: a graph stage needs a backend")
+    if deploy.async_chunk and any(s.execution_type is StageExecutionType.GRAPH for s in pipeline.stages):
+        raise DeployConfigError("async_chunk: graph stages hand off whole outputs; async_chunk must be false")
+    return pipeline
+
+
+def _inline_pipeline(deploy: DeployConfig) -> PipelineConfig:
+    stages = []
+    for index, stage in enumerate(deploy.stages):
+        if stage.model_stage is None:
+            raise DeployConfigError(
+                f"stages[{index}].model_stage: pipeline {deploy.pipeline!r} is not registered, "
+                "so every stage must declare itself (model_stage, input_sources, final_output...)"
+            )
+        try:
+            stages.append(StagePipelineConfig(
+                stage_id=stage.stage_id,
+                model_stage=stage.model_stage,
+                execution_type=StageExecutionType(stage.execution_type or "graph"),
+                input_sources=tuple(stage.input_sources or ()),
+                final_output=bool(stage.final_output),
+                final_output_type=stage.final_output_type,
+                custom_process_input_func=stage.custom_process_input_func,
+            ))
+        except PipelineConfigError as exc:
+            raise DeployConfigError(f"stages[{index}]: {exc}") from None
+    try:
+        return PipelineConfig(model_type=deploy.pipeline, stages=tuple(stages))
+    except PipelineConfigError as exc:
+        raise DeployConfigError(f"stages: {exc}") from None
+
+
+def _read_merged(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    """Parse `path` and merge it over its `base_config` chain (relative paths made absolute)."""
+    if path in seen:
+        raise DeployConfigError(f"base_config: cycle through {' -> '.join(str(p) for p in (*seen, path))}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise DeployConfigError(f"{path}: cannot read deploy YAML: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise DeployConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise DeployConfigError(f"{path}: a deploy YAML must be a mapping at the top level")
+    _absolutize_manifests(data, path.parent)
+    base = data.pop("base_config", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise DeployConfigError(f"base_config: must be a path string, got {type(base).__name__}")
+    base_path = Path(base).expanduser()
+    base_path = (base_path if base_path.is_absolute() else path.parent / base_path).resolve()
+    return _merge(_read_merged(base_path, (*seen, path)), data)
+
+
+def _absolutize_manifests(data: dict[str, Any], folder: Path) -> None:
+    """Anchor relative manifest paths to the YAML that wrote them, before any merge moves them."""
+    stages = data.get("stages")
+    if not isinstance(stages, list):
+        return
+    for stage in stages:
+        backend = stage.get("backend") if isinstance(stage, dict) else None
+        manifest = backend.get("manifest") if isinstance(backend, dict) else None
+        if isinstance(manifest, str) and manifest and not Path(manifest).expanduser().is_absolute():
+            backend["manifest"] = str(folder / manifest)
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over` on top of `base`: mappings merge key by key, `stages` by `stage_id`, the rest replaces."""
+    merged = dict(base)
+    for key, value in over.items():
+        if key == "stages" and isinstance(value, list) and isinstance(base.get(key), list):
+            merged[key] = _merge_stages(base[key], value)
+        elif isinstance(value, dict) and isinstance(base.get(key), dict):
+            merged[key] = _merge(base[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _merge_stages(base: list[Any], over: list[Any]) -> list[Any]:
+    by_id = {s.get("stage_id"): s for s in base if isinstance(s, dict)}
+    merged = list(base)
+    for stage in over:
+        key = stage.get("stage_id") if isinstance(stage, dict) else None
+        if key is not None and key in by_id:
+            merged[merged.index(by_id[key])] = _merge(by_id[key], stage)
+        else:
+            merged.append(stage)
+    return merged
+
+
+def _format_errors(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        where = _yaml_path(error["loc"])
+        if error["type"] == "extra_forbidden":
+            lines.append(f"{where}: unknown key")
+        elif error["type"] == "missing":
+            lines.append(f"{where}: required key is missing")
+        else:
+            message = error["msg"].removeprefix("Value error, ")
+            lines.append(f"{where}: {message} (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else f"{where}: {message}")
+    return "\n".join(lines)
+
+
+def _yaml_path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif str(part).startswith(("function-", "literal[")):
+            continue
+        else:
+            path += f".{part}" if path else str(part)
+    return path or "<top level>"

@@ -1,0 +1,24 @@
+"""Laya's pipeline declaration: one graph stage (ModernBERT encoder + decision head) -> decision.
+
+Only names: the engine imports the processor, exporter and synthesiser through these dotted
+strings when it needs them.
+"""
+
+from omnigraph.pipelines.config import PipelineConfig, StageExecutionType, StagePipelineConfig
+
+LAYA_PIPELINE = PipelineConfig(
+    model_type="laya",
+    stages=(
+        StagePipelineConfig(
+            stage_id=0,
+            model_stage="decision",
+            execution_type=StageExecutionType.GRAPH,
+            final_output=True,
+            final_output_type="decision",
+        ),
+    ),
+    processor="omnigraph.pipelines.laya.processor:LayaProcessor",
+    bundle_builder="omnigraph.pipelines.laya.export:build_bundle",
+    checkpoint_synthesizer="omnigraph.pipelines.laya.synth:synthesize_checkpoint",
+    default_bundle="omnigraph.pipelines.laya.export:default_bundle",
+)

@@ -1,0 +1,133 @@
+"""The deploy YAML: strict keys with precise paths, base_config merging, pipeline resolution."""
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from omnigraph.pipelines.deploy import DeployConfigError, load_deploy_config, resolve_pipeline
+
+
+def write(folder: Path, name: str, text: str) -> Path:
+    path = folder / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def bundle_dir(tmp_path):
+    bundle = tmp_path / "bundles" / "head"
+    bundle.mkdir(parents=True)
+    (bundle / "manifest.json").write_text("{}")
+    return bundle
+
+
+PLAN = """\
+    pipeline: laya
+    stages:
+      - stage_id: 0
+        backend:
+          name: external.graph.v1
+          manifest: bundles/head/manifest.json
+          route: {name: local-cpu, ep: cpu}
+        resource_budget:
+          capacities: {"machine:ram": 1000}
+          demands: {"machine:ram": 100}
+    """
+
+
+def test_relative_manifest_resolves_against_the_yaml(tmp_path, bundle_dir):
+    plan = load_deploy_config(write(tmp_path, "plan.yaml", PLAN))
+    stage = plan.stage(0)
+    assert stage.backend.manifest == bundle_dir / "manifest.json"
+    assert stage.backend.route.ep == "cpu" and stage.num_replicas == 1
+    assert plan.max_queued_requests == 32
+    assert resolve_pipeline(plan).model_type == "laya"
+
+
+@pytest.mark.parametrize("old, new, path", [
+    ("ep: cpu", "epp: cpu", "stages[0].backend.route.epp: unknown key"),
+    ("ep: cpu", "ep: gpu", "stages[0].backend.route.ep:"),
+    ("demands: {\"machine:ram\": 100}", "demands: {\"machine:ram\": \"100\"}", "stages[0].resource_budget.demands.machine:ram:"),
+    ("bundles/head/manifest.json", "bundles/missing", "stages[0].backend.manifest: no such bundle"),
+    ("name: external.graph.v1", "name: external.graph.v2", "stages[0].backend.name:"),
+    ("pipeline: laya", "pipelin: laya", "pipeline: required key is missing"),
+])
+def test_typos_name_the_yaml_path(tmp_path, bundle_dir, old, new, path):
+    with pytest.raises(DeployConfigError) as error:
+        load_deploy_config(write(tmp_path, "plan.yaml", PLAN.replace(old, new)))
+    assert path in str(error.value)
+
+
+def test_demand_without_capacity_is_refused(tmp_path, bundle_dir):
+    text = PLAN.replace('demands: {"machine:ram": 100}', 'demands: {"machine:vram:0": 100}')
+    with pytest.raises(DeployConfigError, match=r"stages\[0\].resource_budget: demands name constraints without a capacity"):
+        load_deploy_config(write(tmp_path, "plan.yaml", text))
+
+
+def test_base_config_merges_under_the_plan(tmp_path, bundle_dir):
+    write(tmp_path, "base.yaml", PLAN)
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    plan = load_deploy_config(write(sub, "plan.yaml", """\
+        base_config: ../base.yaml
+        max_queued_requests: 4
+        stages:
+          - stage_id: 0
+            num_replicas: 2
+            backend: {route: {name: two-threads, intra_op_num_threads: 2}}
+        """))
+    stage = plan.stage(0)
+    assert plan.max_queued_requests == 4 and stage.num_replicas == 2
+    assert stage.backend.route.name == "two-threads" and stage.backend.route.intra_op_num_threads == 2
+    assert stage.backend.manifest == bundle_dir / "manifest.json"  # relative to base.yaml's folder
+    assert stage.resource_budget.demands == {"machine:ram": 100}
+
+
+def test_base_config_cycle_is_refused(tmp_path):
+    write(tmp_path, "a.yaml", "base_config: b.yaml\n")
+    write(tmp_path, "b.yaml", "base_config: a.yaml\n")
+    with pytest.raises(DeployConfigError, match="cycle"):
+        load_deploy_config(tmp_path / "a.yaml")
+
+
+INLINE = """\
+    pipeline: inline-chain
+    stages:
+      - stage_id: 0
+        model_stage: features
+        backend: {name: external.graph.v1, manifest: bundles/head, route: {name: cpu}}
+      - stage_id: 1
+        model_stage: head
+        input_sources: [0]
+        final_output: true
+        final_output_type: tensors
+        backend: {name: external.graph.v1, manifest: bundles/head, route: {name: cpu}}
+    """
+
+
+def test_inline_declaration_for_unregistered_pipelines(tmp_path, bundle_dir):
+    pipeline = resolve_pipeline(load_deploy_config(write(tmp_path, "plan.yaml", INLINE)))
+    assert pipeline.model_type == "inline-chain" and pipeline.stage_order == (0, 1)
+    assert pipeline.processor is None
+
+
+def test_inline_fan_out_is_refused_before_loading(tmp_path, bundle_dir):
+    text = INLINE + textwrap.indent(textwrap.dedent("""\
+          - stage_id: 2
+            model_stage: other
+            input_sources: [0]
+            backend: {name: external.graph.v1, manifest: bundles/head, route: {name: cpu}}
+        """), "      ")
+    with pytest.raises(DeployConfigError, match="fans out"):
+        resolve_pipeline(load_deploy_config(write(tmp_path, "plan.yaml", text)))
+
+
+def test_registered_pipeline_refuses_inline_keys_and_unknown_names(tmp_path, bundle_dir):
+    text = PLAN.replace("  - stage_id: 0\n", "  - stage_id: 0\n        model_stage: decision\n")
+    with pytest.raises(DeployConfigError, match=r"stages\[0\]: pipeline 'laya' is registered"):
+        resolve_pipeline(load_deploy_config(write(tmp_path, "plan.yaml", text)))
+    with pytest.raises(DeployConfigError, match="pipeline: unknown pipeline 'layaa'"):
+        resolve_pipeline(load_deploy_config(write(tmp_path, "plan.yaml", PLAN.replace("laya", "layaa"))))
+    with pytest.raises(DeployConfigError, match="declares stages \\[0\\], the plan has \\[3\\]"):
+        resolve_pipeline(load_deploy_config(write(tmp_path, "plan.yaml", PLAN.replace("stage_id: 0", "stage_id: 3"))))
