@@ -113,12 +113,12 @@ def test_inline_declaration_for_unregistered_pipelines(tmp_path, bundle_dir):
 
 
 def test_inline_fan_out_is_refused_before_loading(tmp_path, bundle_dir):
-    text = INLINE + textwrap.indent(textwrap.dedent("""\
-          - stage_id: 2
-            model_stage: other
-            input_sources: [0]
-            backend: {name: external.graph.v1, manifest: bundles/head, route: {name: cpu}}
-        """), "      ")
+    text = textwrap.dedent(INLINE) + (
+        "  - stage_id: 2\n"
+        "    model_stage: other\n"
+        "    input_sources: [0]\n"
+        "    backend: {name: external.graph.v1, manifest: bundles/head, route: {name: cpu}}\n"
+    )
     with pytest.raises(DeployConfigError, match="fans out"):
         resolve_pipeline(load_deploy_config(write(tmp_path, "plan.yaml", text)))
 
