@@ -1,0 +1,52 @@
+"""ONNX external-data references: which files a graph reads besides itself.
+
+ONNX Runtime opens an external tensor's `location` relative to the graph file, wherever it points.
+So every external location must be a safe member name that the bundle lists; the weights
+themselves are never read here.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Collection, Iterable
+
+import onnx
+
+from omnigraph.bundles.errors import BundlePathUnsafe, ExternalDataOutsideBundle
+from omnigraph.bundles.onnx_graph import iter_tensors
+from omnigraph.bundles.paths import check_member_name
+
+ONNX_SUFFIX = ".onnx"
+
+
+def graph_members(names: Iterable[str], graph_file: str) -> list[str]:
+    """The members read as ONNX models: the bundle's graph and any other `*.onnx` file."""
+    return sorted({graph_file, *(name for name in names if name.endswith(ONNX_SUFFIX))})
+
+
+def external_data_members(model: onnx.ModelProto, graph_file: str) -> dict[str, str]:
+    """Member name -> first tensor name, for every external-data file the model at `graph_file` reads."""
+    graph_dir = posixpath.dirname(graph_file)
+    members: dict[str, str] = {}
+    for tensor in iter_tensors(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((entry.value for entry in tensor.external_data if entry.key == "location"), "")
+        if not location:
+            raise ExternalDataOutsideBundle(f"{graph_file}: external tensor {tensor.name!r} has no location")
+        try:
+            check_member_name(location, what=f"external data of tensor {tensor.name!r}")
+        except BundlePathUnsafe as exc:
+            raise ExternalDataOutsideBundle(f"{graph_file}: {exc}") from None
+        members.setdefault(posixpath.join(graph_dir, location), tensor.name)
+    return members
+
+
+def check_external_data(model: onnx.ModelProto, graph_file: str, listed: Collection[str]) -> None:
+    """Refuse a graph that reads external data from a file outside the `listed` member names."""
+    for member, tensor_name in external_data_members(model, graph_file).items():
+        if member not in listed:
+            raise ExternalDataOutsideBundle(
+                f"{graph_file}: tensor {tensor_name!r} reads external data from {member!r}, "
+                "which is not a file of the bundle"
+            )

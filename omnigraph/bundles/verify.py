@@ -1,0 +1,85 @@
+"""Bundle verification: the check every stage (and every worker) runs before trusting a bundle."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from omnigraph.bundles.errors import BundleFileMissing, BundleHashMismatch
+from omnigraph.bundles.external_data import check_external_data, graph_members
+from omnigraph.bundles.hashing import sha256_file
+from omnigraph.bundles.manifest import Manifest, manifest_location, parse_manifest
+from omnigraph.bundles.onnx_graph import load_graph_structure
+from omnigraph.bundles.paths import MANIFEST_NAME, check_bundle_tree, check_regular_file_inside
+
+
+@dataclass(frozen=True)
+class VerifiedBundle:
+    """A bundle whose every file matched its manifest when verify_bundle (or pack_bundle) returned it."""
+
+    root: Path
+    manifest_path: Path
+    manifest: Manifest
+    manifest_sha256: str
+    graph_path: Path
+    example_inputs_path: Path | None
+    custom_ops_path: Path | None
+
+    def file(self, name: str) -> Path:
+        """The path of a verified member, by its manifest name."""
+        if name not in self.manifest.files:
+            raise BundleFileMissing(f"{self.root / name}: not a file of this bundle (manifest {self.manifest_path})")
+        return self.root / name
+
+
+@dataclass(frozen=True)
+class BundleLayout:
+    """A parsed manifest whose folder holds exactly the listed files (contents not yet hashed)."""
+
+    root: Path
+    manifest_path: Path
+    manifest_bytes: bytes
+    manifest: Manifest
+
+
+def read_bundle_layout(path: str | os.PathLike[str]) -> BundleLayout:
+    """Parse the manifest of a bundle folder (or its manifest.json) and check the folder's files.
+
+    Refuses bad JSON or schema, unsafe names, links out of the bundle, missing and unlisted files;
+    it does not hash, so it is cheap enough for inspection.
+    """
+    root = Path(os.path.realpath(manifest_location(path).parent))
+    manifest_path = check_regular_file_inside(root, MANIFEST_NAME)
+    manifest_bytes = manifest_path.read_bytes()
+    manifest = parse_manifest(manifest_bytes, source=str(manifest_path))
+    check_bundle_tree(root, manifest.files)
+    return BundleLayout(root, manifest_path, manifest_bytes, manifest)
+
+
+def verify_bundle(path: str | os.PathLike[str]) -> VerifiedBundle:
+    """Check a bundle folder (or its manifest.json) completely, or raise the BundleError that says why.
+
+    In order: the manifest parses and follows the schema; the folder holds exactly the listed files,
+    none reached through a link out of it; every file's sha256 matches; every ONNX external-data
+    reference names a listed file.
+    """
+    layout = read_bundle_layout(path)
+    root, manifest = layout.root, layout.manifest
+    for name, expected in manifest.files.items():
+        actual = sha256_file(root / name)
+        if actual != expected:
+            raise BundleHashMismatch(f"{root / name}: sha256 is {actual}, {MANIFEST_NAME} lists {expected}")
+    for graph_file in graph_members(manifest.files, manifest.metadata.graph_file):
+        check_external_data(load_graph_structure(root / graph_file), graph_file, manifest.files)
+    metadata = manifest.metadata
+    return VerifiedBundle(
+        root=root,
+        manifest_path=layout.manifest_path,
+        manifest=manifest,
+        manifest_sha256=hashlib.sha256(layout.manifest_bytes).hexdigest(),
+        graph_path=root / metadata.graph_file,
+        example_inputs_path=None if metadata.example_inputs_file is None else root / metadata.example_inputs_file,
+        custom_ops_path=None if manifest.custom_ops is None else root / manifest.custom_ops.library_file,
+    )
