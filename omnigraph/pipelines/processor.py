@@ -18,7 +18,7 @@ import numpy as np
 if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle
 
-__all__ = ["PreparedRequest", "Processor", "RequestInvalid"]
+__all__ = ["PreparedRequest", "Processor", "ProcessorOutputInvalid", "RequestInvalid", "RequestTooLarge"]
 
 
 class RequestInvalid(ValueError):
@@ -32,6 +32,14 @@ class RequestInvalid(ValueError):
         super().__init__(f"{field}: {message}")
         self.field = field
         self.message = message
+
+
+class RequestTooLarge(RequestInvalid):
+    """A request over one of the processor's size limits (the HTTP layer may answer 413)."""
+
+
+class ProcessorOutputInvalid(RuntimeError):
+    """Stage outputs that do not fit the prepared work: a pipeline fault, not the caller's."""
 
 
 @dataclass(frozen=True)

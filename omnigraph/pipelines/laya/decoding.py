@@ -1,0 +1,124 @@
+"""From a question's option logits to its typed answer.
+
+Every number is computed as ``laya.agent.Agent._decode_answers`` computes it, in float32 from the
+graph's float32 logits, so an answer rounds to the same 4 decimals as the reference's:
+temperature by question type and option-count bucket (clamped to [0.5, 5.0]), a softmax over the
+question's own options only, ties to the first option, ``confidence = 1 - H / ln k`` (noul:
+``max(p_true, 1 - p_true)``), ``answer_confidence = max(p)``, ``score = sum(i * p_i)`` and
+``act_probability = softmax(act_logits)[0]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+
+from omnigraph.pipelines.laya.request import QUESTION_TYPES, Question
+
+__all__ = ["TEMPERATURE_MIN", "TEMPERATURE_MAX", "Calibration", "temperature_bucket", "decode_answer"]
+
+#: Fitted temperatures are confined to this range (``laya.common.clamp_temperature``).
+TEMPERATURE_MIN = 0.5
+TEMPERATURE_MAX = 5.0
+_DECIMALS = 4
+
+
+def temperature_bucket(qtype: str, k: int) -> str:
+    """The calibration key of a question type and option count, e.g. ``choice:3-5``."""
+    size = "2" if k <= 2 else "3-5" if k <= 5 else "6-10" if k <= 10 else "11+"
+    return f"{qtype}:{size}"
+
+
+def _clamped(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"calibration {where} must be a finite number, got {value!r}")
+    return min(TEMPERATURE_MAX, max(TEMPERATURE_MIN, float(value)))
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Temperatures per question type and per option-count bucket, clamped once at load."""
+
+    temperature: tuple[float, float, float]           # choice, score, noul
+    temperature_by_options: Mapping[str, float] = field(default_factory=dict)
+    version: str = ""
+
+    @classmethod
+    def from_metadata(cls, calibration: Mapping[str, Any]) -> "Calibration":
+        """Read a bundle manifest's ``calibration`` entry."""
+        raw = calibration.get("temperature", [1.0, 1.0, 1.0])
+        if not isinstance(raw, (list, tuple)) or len(raw) != len(QUESTION_TYPES):
+            raise ValueError(f"calibration temperature must be a list of {len(QUESTION_TYPES)} "
+                             f"numbers (choice, score, noul), got {raw!r}")
+        by_options = calibration.get("temperature_by_options") or {}
+        if not isinstance(by_options, Mapping):
+            raise ValueError(f"calibration temperature_by_options must be an object of bucket -> "
+                             f"number, got {by_options!r}")
+        version = calibration.get("version", "")
+        if not isinstance(version, str):
+            raise ValueError(f"calibration version must be a string, got {version!r}")
+        return cls(
+            temperature=tuple(_clamped(t, f"temperature[{i}]") for i, t in enumerate(raw)),
+            temperature_by_options={key: _clamped(t, f"temperature_by_options[{key!r}]")
+                                    for key, t in by_options.items()},
+            version=version,
+        )
+
+    def temperature_for(self, qtype: str, k: int) -> float:
+        """The bucket's temperature, else the question type's."""
+        return self.temperature_by_options.get(temperature_bucket(qtype, k),
+                                               self.temperature[QUESTION_TYPES[qtype]])
+
+
+def _softmax(z: np.ndarray) -> np.ndarray:
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    return p
+
+
+def _entropy_confidence(p: np.ndarray, k: int) -> float:
+    if k < 2:
+        return 1.0
+    entropy = -float((p * np.log(np.clip(p, 1e-12, 1.0))).sum())
+    return min(1.0, max(0.0, 1.0 - entropy / math.log(k)))
+
+
+def decode_answer(question: Question, logits: np.ndarray, act_logits: np.ndarray,
+                  calibration: Calibration) -> dict[str, Any]:
+    """The answer to ``question`` from its ``k`` option logits and its two action logits."""
+    k = len(question.options)
+    row = np.asarray(logits, dtype=np.float32)[:k]
+    p = _softmax(row / calibration.temperature_for(question.qtype, k))
+    answer_confidence = round(min(1.0, max(0.0, float(p.max()))), _DECIMALS)
+    action = {"act_probability": round(float(_softmax(np.asarray(act_logits, dtype=np.float32))[0]),
+                                       _DECIMALS)}
+    if question.qtype == "choice":
+        return {
+            "type": "choice",
+            "choice": question.keys[int(p.argmax())],
+            "probabilities": {key: round(float(v), _DECIMALS) for key, v in zip(question.keys, p)},
+            "confidence": round(_entropy_confidence(p, k), _DECIMALS),
+            "answer_confidence": answer_confidence,
+            "action": action,
+        }
+    if question.qtype == "score":
+        return {
+            "type": "score",
+            "score": round(float((np.arange(k) * p).sum()), _DECIMALS),
+            "legend": {str(i): text for i, text in enumerate(question.legend)},
+            "probabilities": {str(i): round(float(v), _DECIMALS) for i, v in enumerate(p)},
+            "confidence": round(_entropy_confidence(p, k), _DECIMALS),
+            "answer_confidence": answer_confidence,
+            "action": action,
+        }
+    p_true = float(p[1])
+    return {
+        "type": "noul",
+        "noul": round(p_true, _DECIMALS),
+        "confidence": round(max(p_true, 1.0 - p_true), _DECIMALS),
+        "answer_confidence": answer_confidence,
+        "action": action,
+    }

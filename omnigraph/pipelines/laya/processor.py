@@ -1,0 +1,155 @@
+"""The Laya processor: decision requests in, decision-graph tensors out, and back again.
+
+``prepare`` validates the whole request (``request.py``), tokenizes the state once, builds each
+question's row (``sequence.py``) and groups the rows into padded forward batches of this one
+request. ``finish`` takes one ``{"logits", "act_logits"}`` per batch, drops the padding rows and
+slots, and decodes each question on its own options (``decoding.py``) into the response the
+reference's ``system_one`` / ``laya-serve`` return.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+
+from omnigraph.pipelines.laya.decoding import Calibration, decode_answer
+from omnigraph.pipelines.laya.request import DecisionRequest, RequestLimits, parse_request
+from omnigraph.pipelines.laya.sequence import (
+    PROMPT_TEMPLATE, BatchLayout, LayaTokenizer, Row, build_row, collate, pack_batches,
+)
+from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid
+
+if TYPE_CHECKING:
+    from omnigraph.bundles import VerifiedBundle
+
+__all__ = ["DEFAULT_MODEL_NAME", "WARMUP_REQUEST", "LayaContext", "LayaProcessor"]
+
+#: The response's ``model`` when the request names none.
+DEFAULT_MODEL_NAME = "laya"
+
+#: The Decision API's own example: a real one-question request that exercises every stage.
+WARMUP_REQUEST = {
+    "state": "Please refund the duplicate charge.",
+    "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
+}
+
+
+@dataclass(frozen=True)
+class LayaContext:
+    """What ``finish`` needs: the validated request and which question fills each batch row."""
+
+    request: DecisionRequest
+    batches: tuple[tuple[int, ...], ...]   # question indices of each work item's real rows
+    input_tokens: int                      # tokens of every real row, padding excluded
+
+
+class LayaProcessor:
+    """Validates, tokenizes and batches Laya decisions, and decodes the graph's outputs."""
+
+    def __init__(self, bundles: Mapping[int, VerifiedBundle], *,
+                 limits: RequestLimits = RequestLimits(),
+                 max_rows: int = BatchLayout.max_rows,
+                 max_marker_slots: int = BatchLayout.max_marker_slots) -> None:
+        if len(bundles) != 1:
+            raise ValueError(f"the Laya pipeline has one graph stage, so it takes one bundle; "
+                             f"got stages {sorted(bundles)}")
+        (self._bundle,) = bundles.values()
+        metadata = self._bundle.manifest.metadata
+        layout = metadata.layout or {}
+        self._tokenizer = LayaTokenizer(self._bundle.file("tokenizer.json"),
+                                        self._bundle.file("tokenizer_config.json"))
+        self._layout = BatchLayout(
+            max_len=layout.get("max_len", BatchLayout.max_len),
+            head_max_len=layout.get("head_max_len", BatchLayout.head_max_len),
+            pad_id=layout.get("pad_id", self._tokenizer.pad_id),
+            max_rows=max_rows,
+            max_marker_slots=max_marker_slots,
+        )
+        if self._layout.pad_id != self._tokenizer.pad_id:
+            raise ValueError(f"{self._bundle.manifest_path}: layout pad_id {self._layout.pad_id} "
+                             f"is not the tokenizer's pad token id {self._tokenizer.pad_id}")
+        self._calibration = Calibration.from_metadata(metadata.calibration or {})
+        self._limits = limits
+        self._precision = metadata.precision
+
+    @property
+    def layout(self) -> BatchLayout:
+        return self._layout
+
+    def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
+        """Validate the whole request, then build its padded forward batches."""
+        decision = parse_request(request, self._limits)
+        if not decision.questions:
+            context = LayaContext(request=decision, batches=(), input_tokens=0)
+            return PreparedRequest(work=(), context=context)
+        state_ids = self._tokenizer.encode(decision.state_text)
+        rows = [self._row(decision, index, state_ids) for index in range(len(decision.questions))]
+        batches = tuple(pack_batches(rows, self._layout))
+        work = tuple(collate([rows[i] for i in batch], self._layout) for batch in batches)
+        context = LayaContext(request=decision, batches=batches,
+                              input_tokens=sum(len(row.ids) for row in rows))
+        return PreparedRequest(work=work, context=context)
+
+    def _row(self, decision: DecisionRequest, index: int, state_ids: list[int]) -> Row:
+        question = decision.questions[index]
+        row = build_row(self._tokenizer, question, state_ids, truncate_left=decision.truncate_left,
+                        max_len=self._layout.max_len, head_max_len=self._layout.head_max_len)
+        if len(row.markers) != len(question.options):
+            raise RequestInvalid(
+                f"questions.{question.qid}.criteria",
+                f"only {len(row.markers)} of its {len(question.options)} option markers fit in "
+                f"max_len={self._layout.max_len} with head_max_len={self._layout.head_max_len}; "
+                f"use fewer or shorter options")
+        return row
+
+    def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict:
+        """The response: each question decoded on its own row and options, padding dropped."""
+        context: LayaContext = prepared.context
+        if len(outputs) != len(prepared.work):
+            raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per work "
+                                         f"item), got {len(outputs)}")
+        questions = context.request.questions
+        answers: list[dict] = [{} for _ in questions]
+        for item, (work, output, batch) in enumerate(zip(prepared.work, outputs, context.batches)):
+            logits, act_logits = self._outputs(item, work, output)
+            for row, index in enumerate(batch):
+                answers[index] = decode_answer(questions[index], logits[row], act_logits[row],
+                                               self._calibration)
+        return {
+            "model": context.request.model or DEFAULT_MODEL_NAME,
+            "answers": {q.qid: answer for q, answer in zip(questions, answers)},
+            "usage": {"input_tokens": context.input_tokens, "output_tokens": 0},
+        }
+
+    @staticmethod
+    def _outputs(item: int, work: Mapping[str, np.ndarray],
+                 output: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        rows, markers = work["marker_pos"].shape
+        expected = {"logits": (rows, markers), "act_logits": (rows, 2)}
+        arrays = []
+        for name, shape in expected.items():
+            if name not in output:
+                raise ProcessorOutputInvalid(f"output {item} has no {name!r} "
+                                             f"(got {sorted(output)})")
+            array = np.asarray(output[name])
+            if array.shape != shape:
+                raise ProcessorOutputInvalid(f"output {item} {name!r} has shape {array.shape}, "
+                                             f"expected {shape}")
+            arrays.append(array)
+        return arrays[0], arrays[1]
+
+    def warmup_request(self) -> dict:
+        return copy.deepcopy(WARMUP_REQUEST)
+
+    def audit(self) -> dict:
+        return {
+            "model_hash": self._bundle.manifest_sha256,
+            "calibration_version": self._calibration.version,
+            "prompt_template_sha256": hashlib.sha256(PROMPT_TEMPLATE.encode("utf-8")).hexdigest(),
+            "allowed_token_set_hash": self._tokenizer.vocabulary_sha256(),
+            "precision": self._precision,
+        }
