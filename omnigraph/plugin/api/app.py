@@ -1,0 +1,83 @@
+"""The FastAPI app factory: decision routes, OpenAI routes and operational routes over one service.
+
+The app starts listening before the engine is up: the engine starts (and warms up) in the
+background, `/ready` answers 503 with Retry-After until it has, and `/health` reports a failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator, Callable
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omnigraph.plugin.api import decision, openai_routes, ops
+from omnigraph.plugin.api.body import MAX_BODY_BYTES
+from omnigraph.plugin.api.errors import ApiError, api_error_handler
+from omnigraph.plugin.api.metrics import ServerMetrics
+from omnigraph.plugin.api.service import DecisionService
+
+
+class _RequestMetrics:
+    """ASGI middleware counting every HTTP response by route template and status, with its latency."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.observe_request(route, status, time.perf_counter() - started)
+
+
+def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
+              on_startup_failure: Callable[[str], None] | None = None) -> FastAPI:
+    """An app serving `service`; `on_startup_failure(reason)` is called if the engine cannot start."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async def start() -> None:
+            await service.start()
+            if service.failure is not None and on_startup_failure is not None:
+                on_startup_failure(service.failure)
+
+        starting = asyncio.create_task(start())
+        try:
+            yield
+        finally:
+            starting.cancel()
+            try:
+                await starting
+            except asyncio.CancelledError:
+                pass
+            await service.stop()
+
+    app = FastAPI(title="omnigraph", summary="System One decisions over HTTP", lifespan=lifespan)
+    app.state.service = service
+    app.state.metrics = ServerMetrics(service.queue_depth, service.reservations)
+    app.state.max_body_bytes = max_body_bytes
+    app.state.started_at = int(time.time())
+    app.add_exception_handler(ApiError, api_error_handler)
+    app.include_router(decision.router)
+    app.include_router(openai_routes.router)
+    app.include_router(ops.router)
+    app.add_middleware(_RequestMetrics, metrics=app.state.metrics)
+    return app

@@ -1,0 +1,68 @@
+"""HTTP errors and their two body shapes.
+
+Decision routes answer like laya-serve (`{"detail": ...}`, plus `field` when one field is to
+blame), so its clients keep parsing errors unchanged; OpenAI routes answer in OpenAI's shape
+(`{"error": {"message", "type", "param", "code"}}`) so the official client raises its own
+exception classes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from omnigraph.plugin.api.body import BodyError
+
+OPENAI_PATH_PREFIXES = ("/v1/chat/", "/v1/models")
+
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    500: "server_error",
+    503: "service_unavailable",
+    504: "timeout",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error a route raises; `field` is the dotted name of the one input at fault, if any."""
+
+    def __init__(self, status: int, message: str, *, code: str, field: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.field = field
+        self.headers = headers or {}
+
+    @classmethod
+    def from_body_error(cls, error: BodyError) -> "ApiError":
+        return cls(error.status, error.message, code=error.code)
+
+
+def decision_error_body(error: ApiError) -> dict[str, Any]:
+    body: dict[str, Any] = {"detail": error.message}
+    if error.field is not None:
+        body["field"] = error.field
+    return body
+
+
+def openai_error_body(error: ApiError) -> dict[str, Any]:
+    return {"error": {"message": error.message, "type": _OPENAI_TYPES.get(error.status, "invalid_request_error"),
+                      "param": error.field, "code": error.code}}
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith(OPENAI_PATH_PREFIXES)
+
+
+async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, ApiError)
+    body = openai_error_body(error) if is_openai_path(request.url.path) else decision_error_body(error)
+    return JSONResponse(body, status_code=error.status, headers=error.headers)

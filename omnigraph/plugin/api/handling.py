@@ -1,0 +1,54 @@
+"""What every POST route does around its own logic: read a strict JSON body, and stop work whose
+client has gone away."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Awaitable, TypeVar
+
+from fastapi import Request
+
+from omnigraph.plugin.api.body import BodyError, check_content_type, parse_strict_json, read_capped
+from omnigraph.plugin.api.errors import ApiError
+
+T = TypeVar("T")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; only ever logged
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    """The parsed body: 415 for a non-JSON content type, 413 past `max_bytes`, 400 for unusable JSON."""
+    try:
+        check_content_type(request.headers.get("content-type"))
+        raw = await read_capped(request.stream(), request.headers.get("content-length"), max_bytes)
+        return parse_strict_json(raw)
+    except BodyError as error:
+        raise ApiError.from_body_error(error) from None
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body is fully read before this runs, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it when the client disconnects first (its cleanup aborts the request)."""
+    task = asyncio.ensure_future(work)
+    listener = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, listener}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        listener.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
+    request.app.state.metrics.cancelled.labels(reason="disconnect").inc()
+    raise ApiError(CLIENT_CLOSED_REQUEST, "the client disconnected; the request was aborted", code="client_disconnected")

@@ -1,0 +1,67 @@
+"""Prometheus metrics of one server: its own registry, so two apps in one process never collide.
+
+Counters and histograms are updated by the routes; queue depth and reservations are read from the
+engine at scrape time (a collector), so they are never stale.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineGauges(Collector):
+    """Queue depth and ledger reservations, read from the engine when Prometheus scrapes."""
+
+    def __init__(self, queue_depth: Callable[[], int | None],
+                 reservations: Callable[[], Mapping[str, int] | None]) -> None:
+        self._queue_depth = queue_depth
+        self._reservations = reservations
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        depth = GaugeMetricFamily("omnigraph_queue_depth", "Requests admitted and not yet finished")
+        value = self._queue_depth()
+        if value is not None:
+            depth.add_metric([], value)
+        yield depth
+        reserved = GaugeMetricFamily("omnigraph_reserved", "Resource units reserved in the ledger, by resource",
+                                     labels=["resource"])
+        for resource, amount in sorted((self._reservations() or {}).items()):
+            reserved.add_metric([resource], amount)
+        yield reserved
+
+
+class ServerMetrics:
+    """The metrics one app exports at `GET /metrics`."""
+
+    def __init__(self, queue_depth: Callable[[], int | None],
+                 reservations: Callable[[], Mapping[str, int] | None]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("omnigraph_http_requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=self.registry)
+        self.request_latency = Histogram("omnigraph_http_request_duration_seconds",
+                                         "Time from request start to response, by route", ["route"],
+                                         buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.stage_latency = Histogram("omnigraph_stage_duration_seconds", "Time a request spent in each stage",
+                                       ["stage"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.cancelled = Counter("omnigraph_requests_cancelled", "Requests aborted, by reason (disconnect, deadline)",
+                                 ["reason"], registry=self.registry)
+        self.registry.register(_EngineGauges(queue_depth, reservations))
+
+    def observe_request(self, route: str, status: int, seconds: float) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+        self.request_latency.labels(route=route).observe(seconds)
+
+    def observe_stages(self, durations: Mapping[int | str, float]) -> None:
+        for stage, seconds in durations.items():
+            self.stage_latency.labels(stage=str(stage)).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

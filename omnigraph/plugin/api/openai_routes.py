@@ -1,0 +1,89 @@
+"""OpenAI-compatible routes: `POST /v1/chat/completions` (structured outputs only) and `GET /v1/models`.
+
+A streamed request gets the same result as a plain one, as server-sent events: a role chunk, one
+content chunk carrying the whole JSON answer (and its logprobs), a finish chunk, an optional usage
+chunk (`stream_options.include_usage`), then `data: [DONE]`. The decision is computed before the
+first byte is sent, so every failure still answers with a real status and OpenAI's error body.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Iterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from omnigraph.plugin.api.errors import ApiError
+from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json
+from omnigraph.plugin.api.openai_protocol import (
+    AssistantMessage,
+    ChatCompletion,
+    ChatCompletionChunk,
+    Choice,
+    ChunkChoice,
+    Delta,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+from omnigraph.plugin.api.openai_schema import completion_content, decision_prompt, parse_chat_request, plan_decisions
+from omnigraph.plugin.api.service import DecisionService
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> JSONResponse:
+    service: DecisionService = request.app.state.service
+    cards = ModelList(data=[ModelCard(id=service.model_name, created=request.app.state.started_at)])
+    return JSONResponse(cards.model_dump())
+
+
+def _sse(chunk: ChatCompletionChunk) -> str:
+    return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+
+def _stream(completion: ChatCompletion, include_usage: bool) -> Iterator[str]:
+    choice = completion.choices[0]
+    common = {"id": completion.id, "created": completion.created, "model": completion.model}
+    yield _sse(ChatCompletionChunk(**common, choices=[ChunkChoice(delta=Delta(role="assistant", content=""))]))
+    yield _sse(ChatCompletionChunk(**common, choices=[ChunkChoice(delta=Delta(content=choice.message.content),
+                                                                  logprobs=choice.logprobs)]))
+    yield _sse(ChatCompletionChunk(**common, choices=[ChunkChoice(delta=Delta(), finish_reason="stop")]))
+    if include_usage:
+        yield _sse(ChatCompletionChunk(**common, choices=[], usage=completion.usage))
+    yield "data: [DONE]\n\n"
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    service: DecisionService = request.app.state.service
+    chat = parse_chat_request(await read_json(request, request.app.state.max_body_bytes))
+    if chat.model != service.model_name:
+        raise ApiError(404, f"the model {chat.model!r} does not exist; this server serves {service.model_name!r}",
+                       code="model_not_found", field="model")
+    plan = plan_decisions(chat)
+    service.check_available()
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+
+    async def decide():
+        decision = await service.decide(decision_prompt(chat, plan), request_id=request_id)
+        request.app.state.metrics.observe_stages(decision.stage_durations)
+        return decision
+
+    decision = await cancel_on_disconnect(request, decide())
+    content, logprobs = completion_content(plan, decision.response["answers"], chat.top_logprobs or 0)
+    prompt_tokens = int(decision.response["usage"]["input_tokens"])
+    completion = ChatCompletion(
+        id=request_id, created=int(time.time()), model=service.model_name,
+        choices=[Choice(message=AssistantMessage(content=content), logprobs=logprobs if chat.logprobs else None)],
+        usage=Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
+        audit=service.response_audit(decision.response),
+    )
+    if chat.stream:
+        include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+        return StreamingResponse(_stream(completion, include_usage), media_type="text/event-stream")
+    return JSONResponse(completion.model_dump())
+

@@ -1,0 +1,166 @@
+"""The seam between the HTTP routes and the engine: one decision with a deadline, abort and errors.
+
+The routes never touch the engine directly. `DecisionService` starts it (off the event loop),
+runs the processor's real warmup request before declaring readiness, runs each request under a
+deadline that includes queueing, aborts what is cancelled or late so its slot is freed, and turns
+engine exceptions into `ApiError`s with the statuses the HTTP contract names.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Mapping, Protocol
+
+from omnigraph.pipelines.processor import RequestInvalid
+from omnigraph.plugin.api.errors import ApiError
+from omnigraph.stages.errors import (
+    DeadlineExceeded,
+    PipelineClosed,
+    RequestCancelled,
+    ResourceUnavailable,
+    StageError,
+    StageUnavailable,
+)
+
+logger = logging.getLogger("omnigraph.plugin.api")
+
+DEFAULT_DEADLINE_S = 30.0
+WARMUP_DEADLINE_S = 300.0
+NOT_READY_RETRY_AFTER_S = 1
+
+
+class DecisionEngine(Protocol):
+    """What the HTTP layer needs of `omnigraph.plugin.omni.AsyncOmni`."""
+
+    def generate(self, prompt: Mapping[str, Any], request_id: str) -> AsyncIterator[Any]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def audit(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A finished request: the processor's response plus the time each stage took."""
+
+    response: dict
+    stage_durations: Mapping[int, float]
+    seconds: float
+
+
+class DecisionService:
+    """Owns the engine for one server: startup, readiness, failure and per-request execution."""
+
+    def __init__(self, start_engine: Callable[[], Any], *, model_name: str,
+                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:
+        if not deadline_s > 0:
+            raise ValueError(f"deadline_s must be positive, got {deadline_s!r}")
+        self._start_engine = start_engine
+        self.model_name = model_name
+        self.deadline_s = deadline_s
+        self.engine: Any = None
+        self.ready = False
+        self.failure: str | None = None
+        self._audit: dict = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the engine in a thread, then pass the warmup request through it; record any failure."""
+        try:
+            self.engine = await asyncio.to_thread(self._start_engine)
+            self._audit = self.engine.audit()
+            warmup = self.engine.warmup_request()
+            await self.decide(warmup, request_id=f"warmup-{uuid.uuid4().hex}", deadline_s=WARMUP_DEADLINE_S)
+        except Exception as exc:  # startup failure: reported by /health and /ready, never a hang
+            self.failure = f"startup failed: {type(exc).__name__}: {exc}"
+            logger.error("%s", self.failure)
+            return
+        self.ready = True
+        logger.info("model %r is ready", self.model_name)
+
+    async def stop(self) -> None:
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    def health_failure(self) -> str | None:
+        """Why the server cannot answer (a failed start or a failed stage), or None when healthy."""
+        if self.failure is not None:
+            return self.failure
+        if self.engine is not None:
+            reason = self.engine.failure()
+            if reason is not None:
+                return f"stage failed: {reason}"
+        return None
+
+    def audit(self) -> dict:
+        """What serves every answer (bundle hash, calibration, template, precision, backend)."""
+        return dict(self._audit)
+
+    def response_audit(self, response: Mapping[str, Any]) -> dict:
+        """The server's audit with what the processor recorded for this one request on top."""
+        return {**self._audit, **response.get("audit", {})}
+
+    def queue_depth(self) -> int | None:
+        return None if self.engine is None else self.engine.queue_depth()
+
+    def reservations(self) -> Mapping[str, int] | None:
+        return None if self.engine is None else self.engine.ledger_snapshot()
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def check_available(self) -> None:
+        """503 with Retry-After unless the engine is ready and healthy."""
+        failure = self.health_failure()
+        if failure is not None:
+            raise ApiError(503, failure, code="pipeline_failed")
+        if not self.ready:
+            raise ApiError(503, "the pipeline is still starting", code="not_ready",
+                           headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
+
+    async def decide(self, prompt: Mapping[str, Any], *, request_id: str,
+                     deadline_s: float | None = None) -> Decision:
+        """Run one request to its final output within the deadline (queueing included).
+
+        A deadline, a client disconnect (cancellation of this coroutine) or any failure aborts the
+        request in the engine, so its queue slot and reservations are freed at once. `deadline_s`
+        None means the server's deadline.
+        """
+        limit = self.deadline_s if deadline_s is None else deadline_s
+        started = time.perf_counter()
+        finished = False
+        try:
+            async with asyncio.timeout(limit):
+                final = None
+                async for output in self.engine.generate(prompt, request_id=request_id):
+                    if output.error is not None:
+                        raise ApiError(500, f"request failed in stage {output.stage_id}: {output.error}",
+                                       code="stage_error")
+                    if output.finished:
+                        final = output
+                if final is None:
+                    raise ApiError(500, "the pipeline ended without a final output", code="stage_error")
+            finished = True
+        except TimeoutError:
+            raise ApiError(504, f"request exceeded its deadline of {limit:g} s", code="deadline_exceeded") from None
+        except DeadlineExceeded as exc:
+            raise ApiError(504, str(exc), code="deadline_exceeded") from None
+        except RequestInvalid as exc:
+            raise ApiError(422, exc.message, code="invalid_request", field=exc.field) from None
+        except ResourceUnavailable as exc:
+            raise ApiError(503, str(exc), code="queue_full",
+                           headers={"Retry-After": str(max(1, round(exc.retry_after)))}) from None
+        except (StageUnavailable, PipelineClosed) as exc:
+            raise ApiError(503, f"stage failed: {exc}", code="pipeline_failed") from None
+        except RequestCancelled as exc:
+            raise ApiError(503, str(exc), code="cancelled") from None
+        except StageError as exc:
+            raise ApiError(500, f"{type(exc).__name__}: {exc}", code="stage_error") from None
+        finally:
+            if not finished:
+                await self.engine.abort(request_id)
+        return Decision(final.custom_output, final.stage_durations or {}, time.perf_counter() - started)
