@@ -50,5 +50,5 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         await task
     except asyncio.CancelledError:
         pass
-    request.app.state.metrics.cancelled.labels(reason="disconnect").inc()
+    request.app.state.metrics.disconnects.inc()
     raise ApiError(CLIENT_CLOSED_REQUEST, "the client disconnected; the request was aborted", code="client_disconnected")

@@ -51,8 +51,8 @@ class ServerMetrics:
                                          buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.stage_latency = Histogram("omnigraph_stage_duration_seconds", "Time a request spent in each stage",
                                        ["stage"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.cancelled = Counter("omnigraph_requests_cancelled", "Requests aborted, by reason (disconnect, deadline)",
-                                 ["reason"], registry=self.registry)
+        self.disconnects = Counter("omnigraph_client_disconnects", "Requests aborted because their client went away",
+                                   registry=self.registry)
         self.registry.register(_EngineGauges(queue_depth, reservations))
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
