@@ -71,10 +71,13 @@ def format_inspection(report: dict[str, Any]) -> str:
         lines.append(f"custom ops   {used}")
     if report["custom_ops"] is not None:
         library = report["custom_ops"]
-        lines.append(f"op library   {library['library_file']} (domain {library['domain']}, abi {library['abi_version']})")
+        lines.append(
+            f"op library   {library['library_file']} (domain {library['domain']}, abi {library['abi_version']})"
+        )
     for title, values in (("inputs", report["inputs"]), ("outputs", report["outputs"])):
         lines.append("")
-        lines.extend(_table((title, "dtype", "shape"), [(v["name"], v["dtype"], _shape_text(v["shape"])) for v in values]))
+        rows = [(value["name"], value["dtype"], _shape_text(value["shape"])) for value in values]
+        lines.extend(_table((title, "dtype", "shape"), rows))
     lines += ["", "(file hashes are not checked here; `omnigraph bundle verify` checks them)"]
     return "\n".join(lines)
 

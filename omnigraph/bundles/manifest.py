@@ -122,7 +122,8 @@ class Manifest:
             self._require_listed(library, "custom_ops.library_file")
             if self.custom_ops.sha256 != self.files[library]:
                 raise ManifestInvalid(
-                    f"custom_ops.sha256 {self.custom_ops.sha256} disagrees with files[{library!r}] {self.files[library]}"
+                    f"custom_ops.sha256 {self.custom_ops.sha256} disagrees with "
+                    f"files[{library!r}] {self.files[library]}"
                 )
 
     def _require_listed(self, name: str, field: str) -> None:

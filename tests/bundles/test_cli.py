@@ -17,7 +17,9 @@ def omnigraph(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_pack_verify_inspect_succeed_on_a_good_folder(bundle_dir: Path) -> None:
-    packed = omnigraph("bundle", "pack", str(bundle_dir), "--component", "test.matmul", "--example-inputs", "inputs.npz")
+    packed = omnigraph(
+        "bundle", "pack", str(bundle_dir), "--component", "test.matmul", "--example-inputs", "inputs.npz"
+    )
     assert packed.returncode == 0, packed.stderr
     assert packed.stdout.startswith(f"packed {bundle_dir.resolve() / 'manifest.json'} (sha256 ")
 
@@ -55,5 +57,7 @@ def test_a_damaged_bundle_fails_with_one_line(packed, damage, command: str, erro
 def test_pack_refusal_is_one_line_and_writes_nothing(bundle_dir: Path) -> None:
     result = omnigraph("bundle", "pack", str(bundle_dir), "--component", "test.matmul", "--graph", "model.onnx")
     assert result.returncode == 1
-    assert result.stderr == f"omnigraph: error: BundleFileMissing: graph_file 'model.onnx' is not a file in {bundle_dir.resolve()}\n"
+    assert result.stderr == (
+        f"omnigraph: error: BundleFileMissing: graph_file 'model.onnx' is not a file in {bundle_dir.resolve()}\n"
+    )
     assert not (bundle_dir / "manifest.json").exists()

@@ -13,7 +13,8 @@ FORBIDDEN = ("torch", "onnxruntime", "pydantic", "yaml", "fastapi", "uvicorn", "
 
 def test_importing_bundles_loads_no_heavy_or_higher_package() -> None:
     probe = "import json, sys, omnigraph.bundles; print(json.dumps(sorted(sys.modules)))"
-    loaded = json.loads(subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    loaded = json.loads(result.stdout)
     top_level = {name.split(".")[0] for name in loaded}
     assert "onnx" in top_level
     assert not top_level & set(FORBIDDEN)

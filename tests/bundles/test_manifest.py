@@ -36,7 +36,12 @@ VALID: dict[str, Any] = {
         "calibration": {"temperature": [1.0, 1.5, 2.0]},
         "validation": {},
     },
-    "custom_ops": {"library_file": "ops/libomnigraph_ops.so", "abi_version": 1, "sha256": LIBRARY_SHA, "domain": "omnigraph"},
+    "custom_ops": {
+        "library_file": "ops/libomnigraph_ops.so",
+        "abi_version": 1,
+        "sha256": LIBRARY_SHA,
+        "domain": "omnigraph",
+    },
 }
 
 
@@ -89,7 +94,7 @@ def test_manifest_objects_are_frozen_and_detached_from_the_caller() -> None:
         (lambda d: d.update(component=["laya"]), "component must be a name"),
         (lambda d: d.update(files={}), "files must be a non-empty object"),
         (lambda d: d.update(files=["graph.onnx"]), "files must be a non-empty object"),
-        (lambda d: d["files"].update({"weights.bin": "B" * 64}), "files['weights.bin']: sha256 must be 64 lowercase hex"),
+        (lambda d: d["files"].update({"weights.bin": "B" * 64}), "files['weights.bin']: sha256 must be 64 lowercase"),
         (lambda d: d["files"].update({"weights.bin": "ab12"}), "files['weights.bin']: sha256 must be 64 lowercase hex"),
         (lambda d: d["files"].update({"manifest.json": "d" * 64}), "'manifest.json' cannot list itself"),
         (lambda d: d["metadata"].update(graph_file="model.onnx"), "metadata.graph_file 'model.onnx' is not among"),
@@ -102,7 +107,7 @@ def test_manifest_objects_are_frozen_and_detached_from_the_caller() -> None:
         (lambda d: d["custom_ops"].update(abi_version=1.0), "custom_ops.abi_version must be a non-negative integer"),
         (lambda d: d["custom_ops"].update(sha256="c" * 63), "custom_ops.sha256 must be 64 lowercase hex"),
         (lambda d: d["custom_ops"].update(sha256="e" * 64), f"custom_ops.sha256 {'e' * 64} disagrees with files"),
-        (lambda d: d["custom_ops"].update(library_file="libops.so"), "custom_ops.library_file 'libops.so' is not among"),
+        (lambda d: d["custom_ops"].update(library_file="libops.so"), "custom_ops.library_file 'libops.so' is not"),
     ],
 )
 def test_schema_violations_are_refused_with_the_field_and_file(edit, message: str) -> None:
