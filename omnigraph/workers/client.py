@@ -1,0 +1,396 @@
+"""WorkerClient: the controller's handle on one graph worker process (blocking, one call in flight).
+
+``start`` listens on a fresh Unix socket in a private (0700) temporary folder, starts the worker
+with the route's interpreter in its own session (terminal signals do not reach it), accepts its
+connection (the peer's pid is checked through SO_PEERCRED), removes the socket file at once and
+reads the hello. The worker's stdout and stderr go to a log in that folder; its tail is quoted when
+the worker dies. ``close`` removes the folder.
+
+Epochs: ``fence(epoch)`` raises the client's floor at once (a reply for an older epoch is then
+discarded with StaleEpoch) and tells the worker, which refuses later messages below it. A call
+that times out cannot be pre-empted, so it retires the worker: it is killed and WorkerTimeout
+raised. A worker that dies mid-call surfaces as WorkerDied with its exit status (socket EOF, then
+waitpid), never as a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import tempfile
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import numpy as np
+
+import omnigraph
+from omnigraph.workers import procfs, wire
+from omnigraph.workers.errors import (
+    LoadRefused,
+    PlacementRefused,
+    RemoteError,
+    WorkerBusy,
+    WorkerDied,
+    WorkerStartFailed,
+    WorkerTimeout,
+)
+from omnigraph.workers.placement import PlacementReport
+from omnigraph.workers.reports import LoadReport, WorkerHello
+from omnigraph.workers.route import WorkerRoute
+
+WORKER_MODULE = "omnigraph.workers.worker"
+# Why: after the socket reports EOF the process is exiting; waitpid gets its status within this.
+DEATH_REAP_SECONDS = 5.0
+# Why: quoting the end of the worker's log is enough to say why it died.
+LOG_TAIL_BYTES = 4000
+_LOAD_REFUSAL_CODES = frozenset({"bundle_invalid", "load_failed"})
+# The folder holding the omnigraph package: put on the worker's PYTHONPATH so an interpreter that
+# has only numpy + onnxruntime + onnx installed can import the worker.
+_PACKAGE_PARENT = str(Path(omnigraph.__file__).resolve().parent.parent)
+
+
+class WorkerClient:
+    """One graph worker process. Build it with ``WorkerClient.start``."""
+
+    def __init__(
+        self,
+        *,
+        route: WorkerRoute,
+        generation: int,
+        process: subprocess.Popen,
+        sock: socket.socket,
+        private_dir: Path,
+        hello: WorkerHello,
+    ) -> None:
+        self.route = route
+        self.generation = generation
+        self.hello = hello
+        self._process = process
+        self._sock = sock
+        self._private_dir = private_dir
+        self._call_lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._min_epoch = 0
+        self._closed = False
+        self._sock_timeout: float | None = None
+        self.load_report: LoadReport | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # Start
+
+    @classmethod
+    def start(cls, route: WorkerRoute, *, generation: int, startup_timeout: float = 60.0) -> WorkerClient:
+        """Start a worker for ``route`` and wait (up to ``startup_timeout`` s) for its hello."""
+        if type(generation) is not int or generation < 0:
+            raise ValueError(f"generation must be an integer >= 0, got {generation!r}")
+        if not os.access(route.interpreter, os.X_OK):
+            raise WorkerStartFailed(f"route {route.name!r}: interpreter {route.interpreter} is not an executable file")
+        deadline = time.monotonic() + startup_timeout
+        private_dir = Path(tempfile.mkdtemp(prefix="omnigraph-worker-"))
+        socket_path = private_dir / "worker.sock"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        process: subprocess.Popen | None = None
+        sock: socket.socket | None = None
+        try:
+            listener.bind(str(socket_path))
+            listener.listen(1)
+            env = {**os.environ, **route.env}
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+            command = [
+                route.interpreter, "-m", WORKER_MODULE, "--connect", str(socket_path),
+                "--generation", str(generation), "--route", route.to_json(),
+            ]
+            with open(private_dir / "worker.log", "wb") as log:
+                process = subprocess.Popen(
+                    command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=env, start_new_session=True, close_fds=True,
+                )
+            sock = _accept_worker(listener, process, deadline, private_dir)
+            listener.close()
+            socket_path.unlink()
+            hello = _read_hello(sock, process, generation, route, deadline, private_dir)
+            return cls(route=route, generation=generation, process=process, sock=sock, private_dir=private_dir, hello=hello)
+        except BaseException:
+            listener.close()
+            if sock is not None:
+                sock.close()
+            if process is not None and process.poll() is None:
+                process.kill()
+            if process is not None:
+                process.wait()
+            shutil.rmtree(private_dir, ignore_errors=True)
+            raise
+
+    # ------------------------------------------------------------------------------------------
+    # Identity and lifetime
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def instance(self) -> str:
+        return self.hello.instance
+
+    @property
+    def min_epoch(self) -> int:
+        return self._min_epoch
+
+    @property
+    def returncode(self) -> int | None:
+        """The exit status once the process was reaped (negative: killed by that signal)."""
+        return self._process.poll()
+
+    def kill(self) -> None:
+        """SIGKILL the worker (no wait; see wait_exit)."""
+        if self._process.poll() is None:
+            try:
+                os.kill(self._process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def wait_exit(self, timeout: float) -> bool:
+        """True once the OS says the process is gone: reaped by waitpid, and /proc no longer holds
+        a process with its pid and start time."""
+        try:
+            self._process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        try:
+            return procfs.process_start_ticks(self.pid) != self.hello.start_time_ticks
+        except FileNotFoundError:
+            return True
+
+    def close(self, timeout: float = 10.0) -> int | None:
+        """Ask the worker to exit, kill it if it does not within ``timeout``, reap it and remove
+        the private folder. Idempotent; returns the exit status."""
+        if self._closed:
+            return self._process.poll()
+        self._closed = True
+        if self._process.poll() is None and self._call_lock.acquire(blocking=False):
+            try:
+                self._send_and_receive("close", expect="closing", timeout=timeout)
+                self._process.wait(timeout)
+            except (wire.WireError, RemoteError, WorkerDied, WorkerTimeout, OSError, subprocess.TimeoutExpired):
+                pass  # kill below
+            finally:
+                self._call_lock.release()
+        if self._process.poll() is None:
+            self.kill()
+        self._process.wait()
+        self._sock.close()
+        shutil.rmtree(self._private_dir, ignore_errors=True)
+        return self._process.returncode
+
+    def __enter__(self) -> WorkerClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------
+    # Calls
+
+    def load(self, manifest_path: str | os.PathLike[str], *, timeout: float | None = None) -> LoadReport:
+        """Load a bundle (verified again inside the worker), warm it up and check its placement.
+
+        Raises LoadRefused (bundle_invalid, load_failed) or PlacementRefused (``.report``)."""
+        with self._call():
+            _, body, _ = self._send_and_receive(
+                "load", expect="loaded", body={"manifest_path": os.fspath(manifest_path)}, timeout=timeout
+            )
+        self.load_report = LoadReport.from_dict(body)
+        return self.load_report
+
+    def run(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        request_id: str,
+        stage_id: int,
+        epoch: int,
+        timeout: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        """One forward call; blocking, one in flight (a second concurrent call: WorkerBusy)."""
+        with self._call():
+            if epoch < self._min_epoch:
+                raise wire.StaleEpoch(f"epoch {epoch} is below the fenced epoch {self._min_epoch}")
+            frame, _, arrays = self._send_and_receive(
+                "run", expect="result", tensors=inputs, request_id=request_id, stage_id=stage_id, epoch=epoch, timeout=timeout
+            )
+            if frame.epoch < self._min_epoch:
+                raise wire.StaleEpoch(f"reply for epoch {frame.epoch} discarded: fenced at {self._min_epoch}")
+            return arrays
+
+    def fence(self, epoch: int) -> None:
+        """Raise the minimum epoch now; replies and calls below it are refused from here on."""
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"epoch must be an integer >= 0, got {epoch!r}")
+        if epoch <= self._min_epoch:
+            return
+        self._min_epoch = epoch
+        try:
+            self._send("fence", epoch=epoch)
+        except OSError:
+            raise self._died("fence") from None
+
+    def stats(self, *, timeout: float | None = 10.0) -> dict[str, Any]:
+        """RSS, peak RSS, device memory (where available) and call counters of the worker."""
+        with self._call():
+            _, body, _ = self._send_and_receive("stats", expect="stats_result", timeout=timeout)
+        return body
+
+    # ------------------------------------------------------------------------------------------
+    # Plumbing
+
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        if not self._call_lock.acquire(blocking=False):
+            raise WorkerBusy(f"worker {self.pid} (generation {self.generation}) already has a call in flight")
+        try:
+            if self._closed:
+                raise WorkerDied(f"worker {self.pid} was closed", exit_status=self._process.poll())
+            yield
+        finally:
+            self._call_lock.release()
+
+    def _send(self, msg_type: str, *, request_id: str = "", stage_id: int = 0, epoch: int | None = None,
+              body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None) -> None:
+        with self._send_lock:
+            wire.send_frame(
+                self._sock, msg_type, request_id=request_id, stage_id=stage_id,
+                epoch=self._min_epoch if epoch is None else epoch,
+                generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
+                max_payload_bytes=self.route.max_io_bytes,
+            )
+
+    def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",
+                          **fields: Any) -> tuple[wire.Frame, dict[str, Any], dict[str, np.ndarray]]:
+        try:
+            self._send(msg_type, request_id=request_id, **fields)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._died(msg_type) from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            frame = self._read(lambda: wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes), deadline)
+            arrays = self._read(lambda: wire.read_payload(self._sock, frame), deadline)
+        except socket.timeout:
+            self.kill()
+            self.wait_exit(DEATH_REAP_SECONDS)
+            raise WorkerTimeout(
+                f"worker {self.pid}: no reply to {msg_type!r} within {timeout} s; the worker was retired (killed)"
+            ) from None
+        except (wire.PeerClosed, wire.TruncatedFrame, ConnectionResetError):
+            raise self._died(msg_type) from None
+        if frame.generation != self.generation:
+            raise wire.StaleGeneration(f"reply from generation {frame.generation}, expected {self.generation}")
+        if frame.instance != self.hello.instance:
+            raise wire.StaleInstance(f"reply from instance {frame.instance!r}, expected {self.hello.instance!r}")
+        if frame.type == "error":
+            raise _remote_error(frame.body)
+        if frame.type != expect or frame.request_id != request_id:
+            raise wire.MalformedHeader(
+                f"expected a {expect!r} reply to request {request_id!r}, got {frame.type!r} for {frame.request_id!r}"
+            )
+        return frame, frame.body, arrays
+
+    def _read(self, read: Any, deadline: float | None) -> Any:
+        timeout = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
+        if timeout != self._sock_timeout:
+            self._sock.settimeout(timeout)
+            self._sock_timeout = timeout
+        return read()
+
+    def _died(self, during: str) -> WorkerDied:
+        try:
+            status = self._process.wait(DEATH_REAP_SECONDS)
+        except subprocess.TimeoutExpired:  # the socket closed but the process lingers: retire it
+            self.kill()
+            status = self._process.wait()
+        return WorkerDied(
+            f"worker {self.pid} (generation {self.generation}) died during {during!r} with status {status}"
+            f"{_log_tail(self._private_dir)}",
+            exit_status=status,
+        )
+
+
+def _remote_error(body: Mapping[str, Any]) -> Exception:
+    code = str(body.get("code", "unknown"))
+    message = str(body.get("message", ""))
+    if code in wire.WIRE_ERRORS:
+        return wire.WIRE_ERRORS[code](f"the worker refused the frame: {message}")
+    if code == "placement_refused":
+        return PlacementRefused(code, message, PlacementReport.from_dict(body["report"]))
+    if code in _LOAD_REFUSAL_CODES:
+        report = body.get("report")
+        return LoadRefused(code, message, PlacementReport.from_dict(report) if report else None)
+    return RemoteError(code, message)
+
+
+def _log_tail(private_dir: Path) -> str:
+    try:
+        with open(private_dir / "worker.log", "rb") as log:
+            log.seek(0, os.SEEK_END)
+            log.seek(max(0, log.tell() - LOG_TAIL_BYTES))
+            tail = log.read().decode("utf-8", "replace").strip()
+    except OSError:
+        return ""
+    return f"; its log ends:\n{tail}" if tail else ""
+
+
+def _accept_worker(listener: socket.socket, process: subprocess.Popen, deadline: float, private_dir: Path) -> socket.socket:
+    """Accept the worker's connection, checking the peer is the process we started."""
+    listener.settimeout(0.05)
+    while True:
+        try:
+            sock, _ = listener.accept()
+            break
+        except socket.timeout:
+            if process.poll() is not None:
+                raise WorkerStartFailed(
+                    f"worker exited with status {process.returncode} before connecting{_log_tail(private_dir)}"
+                ) from None
+            if time.monotonic() > deadline:
+                raise WorkerStartFailed(f"worker {process.pid} did not connect in time{_log_tail(private_dir)}") from None
+    pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    if pid != process.pid:
+        sock.close()
+        raise WorkerStartFailed(f"a process {pid} other than the worker {process.pid} connected")
+    sock.settimeout(None)
+    return sock
+
+
+def _read_hello(sock: socket.socket, process: subprocess.Popen, generation: int, route: WorkerRoute,
+                deadline: float, private_dir: Path) -> WorkerHello:
+    sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+    try:
+        frame, _ = wire.recv_message(sock, max_payload_bytes=route.max_io_bytes)
+    except socket.timeout:
+        raise WorkerStartFailed(f"worker {process.pid} sent no hello in time{_log_tail(private_dir)}") from None
+    except (wire.PeerClosed, wire.TruncatedFrame, ConnectionResetError):
+        process.wait(DEATH_REAP_SECONDS)
+        raise WorkerStartFailed(
+            f"worker exited with status {process.returncode} before its hello{_log_tail(private_dir)}"
+        ) from None
+    finally:
+        sock.settimeout(None)
+    if frame.type != "hello":
+        raise WorkerStartFailed(f"worker's first message is {frame.type!r}, not hello: {frame.body}")
+    try:
+        hello = WorkerHello.from_dict(frame.body)
+    except (KeyError, TypeError) as exc:
+        raise WorkerStartFailed(f"worker's hello lacks {exc}") from None
+    if hello.pid != process.pid or frame.generation != generation or frame.instance != hello.instance:
+        raise WorkerStartFailed(
+            f"hello from pid {hello.pid} generation {frame.generation} does not match worker {process.pid} generation {generation}"
+        )
+    if hello.wire_version != wire.WIRE_VERSION:
+        raise WorkerStartFailed(f"worker speaks wire version {hello.wire_version}, this controller {wire.WIRE_VERSION}")
+    return hello

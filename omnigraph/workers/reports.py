@@ -1,0 +1,93 @@
+"""What a worker tells its controller: its hello (who and what it is) and a load report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from omnigraph.workers.placement import PlacementReport
+
+
+@dataclass(frozen=True)
+class WorkerHello:
+    """The worker's first message: identity (pid, start time, instance) and its software."""
+
+    interpreter: str
+    python_version: str
+    onnxruntime_version: str
+    onnx_version: str
+    numpy_version: str
+    available_providers: tuple[str, ...]
+    pid: int
+    start_time_ticks: int  # /proc/<pid>/stat field 22: with the pid, the process identity
+    start_time_unix: float
+    instance: str
+    wire_version: int
+    features: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        data["available_providers"] = list(self.available_providers)
+        data["features"] = list(self.features)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkerHello:
+        values = {name: data[name] for name in cls.__dataclass_fields__}
+        values["available_providers"] = tuple(values["available_providers"])
+        values["features"] = tuple(values["features"])
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A graph input or output as ORT declares it (dims: int, or a symbolic name / None)."""
+
+    name: str
+    onnx_type: str
+    shape: tuple[int | str | None, ...]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """A loaded bundle: identity, the session's providers, its I/O and the real placement."""
+
+    manifest_path: str
+    manifest_sha256: str
+    component: str
+    session_providers: tuple[str, ...]
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    placement: PlacementReport
+    custom_ops_library: str | None
+    warmup_ms: float
+    notes: tuple[str, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "manifest_path": self.manifest_path,
+            "manifest_sha256": self.manifest_sha256,
+            "component": self.component,
+            "session_providers": list(self.session_providers),
+            "inputs": [[s.name, s.onnx_type, list(s.shape)] for s in self.inputs],
+            "outputs": [[s.name, s.onnx_type, list(s.shape)] for s in self.outputs],
+            "placement": self.placement.to_dict(),
+            "custom_ops_library": self.custom_ops_library,
+            "warmup_ms": self.warmup_ms,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> LoadReport:
+        return cls(
+            manifest_path=data["manifest_path"],
+            manifest_sha256=data["manifest_sha256"],
+            component=data["component"],
+            session_providers=tuple(data["session_providers"]),
+            inputs=tuple(TensorSpec(n, t, tuple(s)) for n, t, s in data["inputs"]),
+            outputs=tuple(TensorSpec(n, t, tuple(s)) for n, t, s in data["outputs"]),
+            placement=PlacementReport.from_dict(data["placement"]),
+            custom_ops_library=data["custom_ops_library"],
+            warmup_ms=data["warmup_ms"],
+            notes=tuple(data["notes"]),
+        )

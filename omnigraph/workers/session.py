@@ -1,0 +1,289 @@
+"""The ONNX Runtime side of a graph worker: build the session a route asks for, warm it up on the
+bundle's example inputs while ORT profiles where each node runs, and run calls (plain on CPU,
+IOBinding on CUDA, one CUDA graph per input shape where the route enables them).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, NoReturn
+
+import numpy as np
+import onnxruntime as ort
+
+from omnigraph.bundles import BundleError, VerifiedBundle, verify_bundle
+from omnigraph.workers.errors import LoadRefused, PlacementRefused, RemoteError
+from omnigraph.workers.placement import PlacementReport, check_placement, placement_from_profile
+from omnigraph.workers.reports import LoadReport, TensorSpec
+from omnigraph.workers.route import WorkerRoute
+from omnigraph.workers.wire import WIRE_DTYPES, wire_dtype_of
+
+# ORT type string -> wire dtype name (the types a graph's I/O may have to be served).
+ONNX_TO_WIRE = {
+    "tensor(bool)": "bool",
+    "tensor(int8)": "int8",
+    "tensor(int16)": "int16",
+    "tensor(int32)": "int32",
+    "tensor(int64)": "int64",
+    "tensor(uint8)": "uint8",
+    "tensor(float16)": "float16",
+    "tensor(bfloat16)": "bfloat16",
+    "tensor(float)": "float32",
+    "tensor(double)": "float64",
+}
+_BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
+# Why: each captured CUDA graph pins its buffers; a few buckets cover a stage's batch shapes.
+MAX_CUDA_GRAPHS = 4
+# ORT's run option naming the CUDA graph to capture / replay; -1 runs without one.
+GPU_GRAPH_ID = "gpu_graph_id"
+_FALLBACK_DISABLED = "fallback to CPU EP has been explicitly disabled"
+
+
+@dataclass
+class _CudaGraphSlot:
+    """Fixed device buffers of one input shape: a CUDA graph replays on the same addresses."""
+
+    graph_id: int
+    binding: ort.IOBinding
+    inputs: dict[str, ort.OrtValue]
+    outputs: dict[str, ort.OrtValue] | None = None
+
+
+class GraphSession:
+    """One verified bundle's InferenceSession, built for one route."""
+
+    def __init__(self, session: ort.InferenceSession, route: WorkerRoute) -> None:
+        self._session = session
+        self._route = route
+        self.inputs = tuple(TensorSpec(i.name, i.type, tuple(i.shape)) for i in session.get_inputs())
+        self.outputs = tuple(TensorSpec(o.name, o.type, tuple(o.shape)) for o in session.get_outputs())
+        for spec in self.inputs + self.outputs:
+            if spec.onnx_type not in ONNX_TO_WIRE:
+                raise LoadRefused("load_failed", f"graph tensor {spec.name!r} has type {spec.onnx_type}, which the wire does not carry")
+        for spec in self.outputs:
+            if spec.onnx_type == "tensor(bfloat16)":
+                raise LoadRefused(
+                    "load_failed",
+                    f"graph output {spec.name!r} is bfloat16, which onnxruntime's Python binding cannot return; cast it to float in the graph",
+                )
+        self._input_wire = {spec.name: ONNX_TO_WIRE[spec.onnx_type] for spec in self.inputs}
+        self._output_names = [spec.name for spec in self.outputs]
+        self._on_cuda = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+        self._cuda_graph_slots: dict[tuple[tuple[int, ...], ...], _CudaGraphSlot] = {}
+
+    @property
+    def providers(self) -> tuple[str, ...]:
+        return tuple(self._session.get_providers())
+
+    # ------------------------------------------------------------------------------------------
+    # Calls
+
+    def check_inputs(self, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> None:
+        """Refuse inputs that differ from the graph's declared names, dtypes, ranks, static dims."""
+        declared = self._input_wire
+        missing = sorted(declared.keys() - arrays.keys())
+        unexpected = sorted(arrays.keys() - declared.keys())
+        if missing or unexpected:
+            raise RemoteError("input_name_mismatch", f"missing inputs {missing}, unexpected inputs {unexpected}; the graph takes {sorted(declared)}")
+        for spec in self.inputs:
+            array = arrays[spec.name]
+            if dtypes[spec.name] != declared[spec.name]:
+                raise RemoteError("input_dtype_mismatch", f"input {spec.name!r} is {dtypes[spec.name]}, the graph declares {declared[spec.name]}")
+            if array.ndim != len(spec.shape):
+                raise RemoteError("input_rank_mismatch", f"input {spec.name!r} has rank {array.ndim} (shape {list(array.shape)}), the graph declares rank {len(spec.shape)}")
+            for axis, (got, want) in enumerate(zip(array.shape, spec.shape)):
+                if isinstance(want, int) and got != want:
+                    raise RemoteError("input_shape_mismatch", f"input {spec.name!r} dim {axis} is {got}, the graph declares {want} (shape {list(spec.shape)})")
+
+    def run(self, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
+        """Check the inputs, run, and return host arrays by output name."""
+        self.check_inputs(arrays, dtypes)
+        feed = {name: self._ort_input(arrays[name], dtypes[name]) for name in self._input_wire}
+        try:
+            if self._route.enable_cuda_graph:
+                outputs = self._run_cuda_graph(arrays)
+            elif self._on_cuda:
+                outputs = self._run_io_binding(feed)
+            else:
+                outputs = self._session.run(self._output_names, feed)
+        except Exception as exc:  # ORT's exception classes derive from Exception only
+            raise RemoteError("run_failed", f"{type(exc).__name__}: {exc}") from None
+        return dict(zip(self._output_names, outputs))
+
+    @staticmethod
+    def _ort_input(array: np.ndarray, wire_dtype: str) -> np.ndarray | ort.OrtValue:
+        if wire_dtype == "bfloat16":  # raw bits: tell ORT the element type
+            return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(array), _BFLOAT16)
+        return array
+
+    def _run_io_binding(self, feed: Mapping[str, np.ndarray | ort.OrtValue]) -> list[np.ndarray]:
+        binding = self._session.io_binding()
+        for name, value in feed.items():
+            if isinstance(value, ort.OrtValue):
+                binding.bind_ortvalue_input(name, value)
+            else:
+                binding.bind_cpu_input(name, value)
+        for name in self._output_names:
+            binding.bind_output(name, "cuda", self._route.device_id)
+        self._session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()
+
+    def _run_cuda_graph(self, arrays: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """Replay (or let ORT capture, after its two warm-up runs) the CUDA graph of this shape."""
+        key = tuple(arrays[name].shape for name in self._input_wire)
+        slot = self._cuda_graph_slots.get(key)
+        if slot is None and len(self._cuda_graph_slots) < MAX_CUDA_GRAPHS:
+            slot = self._new_cuda_graph_slot(arrays, graph_id=len(self._cuda_graph_slots))
+            self._cuda_graph_slots[key] = slot
+        options = ort.RunOptions()
+        if slot is None:  # more shapes than graphs: run this one uncaptured
+            options.add_run_config_entry(GPU_GRAPH_ID, "-1")
+            binding = self._session.io_binding()
+            for name in self._input_wire:
+                binding.bind_cpu_input(name, np.ascontiguousarray(arrays[name]))
+            for name in self._output_names:
+                binding.bind_output(name, "cuda", self._route.device_id)
+            self._session.run_with_iobinding(binding, options)
+            return binding.copy_outputs_to_cpu()
+        for name, value in slot.inputs.items():
+            value.update_inplace(np.ascontiguousarray(arrays[name]))
+        if slot.outputs is None:  # first call of this shape: learn the output shapes uncaptured
+            options.add_run_config_entry(GPU_GRAPH_ID, "-1")
+            for name in self._output_names:
+                slot.binding.bind_output(name, "cuda", self._route.device_id)
+            self._session.run_with_iobinding(slot.binding, options)
+            produced = slot.binding.get_outputs()
+            slot.outputs = {
+                name: ort.OrtValue.ortvalue_from_shape_and_type(
+                    value.shape(), WIRE_DTYPES[ONNX_TO_WIRE[value.data_type()]], "cuda", self._route.device_id
+                )
+                for name, value in zip(self._output_names, produced)
+            }
+            for name, value in slot.outputs.items():
+                slot.binding.bind_ortvalue_output(name, value)
+            return [value.numpy() for value in produced]
+        options.add_run_config_entry(GPU_GRAPH_ID, str(slot.graph_id))
+        self._session.run_with_iobinding(slot.binding, options)
+        return [slot.outputs[name].numpy() for name in self._output_names]
+
+    def _new_cuda_graph_slot(self, arrays: Mapping[str, np.ndarray], graph_id: int) -> _CudaGraphSlot:
+        binding = self._session.io_binding()
+        inputs = {}
+        for name in self._input_wire:
+            array = arrays[name]
+            value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, "cuda", self._route.device_id)
+            binding.bind_ortvalue_input(name, value)
+            inputs[name] = value
+        return _CudaGraphSlot(graph_id=graph_id, binding=binding, inputs=inputs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _session_options(bundle: VerifiedBundle, route: WorkerRoute, profile_prefix: str, *, disable_cpu_fallback: bool) -> ort.SessionOptions:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # errors only: the worker's stderr is its log
+    if route.intra_op_num_threads is not None:
+        options.intra_op_num_threads = route.intra_op_num_threads
+    if bundle.custom_ops_path is not None:
+        options.register_custom_ops_library(str(bundle.custom_ops_path))
+    if disable_cpu_fallback:
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    options.enable_profiling = True
+    options.profile_file_prefix = profile_prefix
+    return options
+
+
+def _create_session(bundle: VerifiedBundle, route: WorkerRoute, profile_prefix: str, *, disable_cpu_fallback: bool, notes: list[str]) -> ort.InferenceSession:
+    options = _session_options(bundle, route, profile_prefix, disable_cpu_fallback=disable_cpu_fallback)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session = ort.InferenceSession(str(bundle.graph_path), options, providers=route.ort_providers())
+    notes.extend(str(w.message) for w in caught)
+    return session
+
+
+def _example_inputs(bundle: VerifiedBundle) -> dict[str, np.ndarray] | None:
+    if bundle.example_inputs_path is None:
+        return None
+    with np.load(bundle.example_inputs_path, allow_pickle=False) as data:
+        return {name: data[name] for name in data.files}
+
+
+def _warmup_placement(session: ort.InferenceSession, graph: GraphSession, example: dict[str, np.ndarray] | None, target: str) -> PlacementReport:
+    """Run the example inputs once under the profiler; the profile file is deleted afterwards."""
+    try:
+        if example is not None:
+            graph.run(example, {name: wire_dtype_of(a) for name, a in example.items()})
+    finally:
+        profile = session.end_profiling()
+    try:
+        if example is None:
+            return PlacementReport.unavailable(target, "the bundle has no example inputs, so no warmup ran")
+        return placement_from_profile(profile, target)
+    finally:
+        if profile:
+            Path(profile).unlink(missing_ok=True)
+
+
+def load_session(manifest_path: str, route: WorkerRoute) -> tuple[GraphSession, LoadReport]:
+    """Verify the bundle again, build the session, warm up, and check the real placement.
+
+    Raises LoadRefused (bundle_invalid, load_failed) or PlacementRefused. When the route forbids
+    CPU, the session disables CPU fallback; if ORT then refuses to build it, a second, diagnostic
+    session with fallback allowed is profiled so the refusal names the nodes that would fall back.
+    """
+    try:
+        bundle = verify_bundle(manifest_path)
+    except BundleError as exc:
+        raise LoadRefused("bundle_invalid", str(exc)) from None
+    try:
+        example = _example_inputs(bundle)
+    except (OSError, ValueError) as exc:
+        raise LoadRefused("load_failed", f"example inputs {bundle.example_inputs_path}: {exc}") from None
+    notes: list[str] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="omnigraph-profile-") as profile_dir:
+        prefix = os.path.join(profile_dir, "warmup")
+        forbid_cpu = "CPUExecutionProvider" not in route.allowed_providers
+        try:
+            session = _create_session(bundle, route, prefix, disable_cpu_fallback=forbid_cpu, notes=notes)
+        except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... classes
+            if not (forbid_cpu and _FALLBACK_DISABLED in str(exc)):
+                raise LoadRefused("load_failed", f"onnxruntime could not build the session: {exc}") from None
+            _refuse_cpu_fallback(bundle, route, prefix, example, str(exc))
+        graph = GraphSession(session, route)
+        try:
+            placement = _warmup_placement(session, graph, example, route.target_provider)
+        except RemoteError as exc:
+            raise LoadRefused("load_failed", f"warmup on the example inputs failed: {exc}") from None
+    if placement.fraction_on_target is None:
+        notes.append(f"placement unavailable: {placement.note}")
+    check_placement(placement, route.allowed_providers, route.min_fraction_on_target)
+    report = LoadReport(
+        manifest_path=str(bundle.manifest_path),
+        manifest_sha256=bundle.manifest_sha256,
+        component=bundle.manifest.component,
+        session_providers=graph.providers,
+        inputs=graph.inputs,
+        outputs=graph.outputs,
+        placement=placement,
+        custom_ops_library=str(bundle.custom_ops_path) if bundle.custom_ops_path else None,
+        warmup_ms=(time.perf_counter() - started) * 1000.0,
+        notes=tuple(notes),
+    )
+    return graph, report
+
+
+def _refuse_cpu_fallback(bundle: VerifiedBundle, route: WorkerRoute, prefix: str, example: dict[str, np.ndarray] | None, ort_message: str) -> NoReturn:
+    """ORT refused to build the session because nodes would fall back to CPU: find and name them."""
+    diagnostic = _create_session(bundle, route, prefix + "-diagnostic", disable_cpu_fallback=False, notes=[])
+    placement = _warmup_placement(diagnostic, GraphSession(diagnostic, route), example, route.target_provider)
+    check_placement(placement, route.allowed_providers, route.min_fraction_on_target)
+    raise PlacementRefused("placement_refused", f"{ort_message} (the diagnostic run placed no node outside {list(route.allowed_providers)})", placement)

@@ -1,0 +1,716 @@
+"""The controller <-> graph worker wire: one frame codec, no pickle (stdlib + numpy only).
+
+This module is the conformance surface: a worker written in any language speaks it by following
+this docstring, and the conformance runner checks the error codes listed below.
+
+Frame layout (all integers little-endian)::
+
+    prefix   24 bytes, struct "<4sHHIQI": magic b"OGWF", wire version (u16), flags (u16, must be
+             0), header length (u32), payload length (u64), reserved (u32, must be 0)
+    header   UTF-8 JSON object, strict: no NaN/Infinity, no duplicate keys
+    payload  the inline tensor bytes, each tensor at a 64-byte aligned offset, padded to 64 bytes
+
+Header fields (all required)::
+
+    v                  wire version (== the prefix version)
+    type               one of MESSAGE_TYPES
+    request_id         str (at most 256 characters)
+    stage_id           int >= 0
+    epoch              int >= 0: the cancellation epoch; stale epochs are refused
+    generation         int >= 0: the worker generation the controller started
+    instance           str: the worker process's random id announced in its hello ("" in hello)
+    features_required  list of str: the receiver refuses a frame naming a feature it lacks
+    tensors            list of descriptors (below)
+    body               JSON object: the message's non-tensor content
+
+Tensor descriptor: ``{"name", "dtype", "shape", "nbytes"}`` plus exactly one of ``"offset"``
+(inline: byte offset into the payload) or ``"fd"`` (shared memory: index of the file descriptor
+passed with the frame). ``nbytes`` must equal prod(shape) * itemsize.
+
+Shared memory: a tensor of at least SHM_THRESHOLD_BYTES goes in an anonymous memory file
+(``memfd_create``) whose descriptor travels with the frame as SCM_RIGHTS ancillary data on the Unix
+socket (feature ``"shm_fd"``). Ownership: the sender creates the file, writes the tensor, sends the
+descriptor and closes its own copy right after ``sendmsg`` (also on error); the receiver maps it
+copy-on-write and closes the descriptor at once, so the memory lives exactly as long as the
+receiver's arrays. The file has no name, so nothing can leak into /dev/shm, even on a crash.
+
+bfloat16: numpy has no bfloat16, so a bfloat16 tensor is decoded as a uint16 array holding the
+raw bits (``arr.view(ml_dtypes.bfloat16)`` where ml_dtypes is installed). The encoder sends an
+array whose dtype is named "bfloat16" (ml_dtypes) as bfloat16; a uint16 array is refused
+(uint16 is not on the wire).
+
+Every check runs on the prefix and the header before a byte of payload is read or allocated.
+
+Error codes (``WireError.code``, stable):
+
+    bad_magic                 the prefix does not start with MAGIC, or flags/reserved are not 0
+    unsupported_version       the prefix or header version is not WIRE_VERSION
+    header_too_large          header length above MAX_HEADER_BYTES (or zero)
+    payload_too_large         payload length, or the bytes of all tensors, above the route's cap
+    malformed_header          not UTF-8 JSON, NaN/Infinity, duplicate keys, a field missing or of
+                              the wrong type, an unknown message type
+    unknown_required_feature  features_required names a feature this side lacks
+    unknown_dtype             a dtype outside the whitelist (WIRE_DTYPES)
+    bad_shape                 rank above MAX_RANK, a negative dim, a dim above MAX_DIM
+    byte_length_mismatch      nbytes != prod(shape) * itemsize, payload length != the sum of the
+                              inline extents, a shared-memory file of another size
+    bad_extent                an inline offset unaligned, outside the payload, or overlapping
+    bad_shm_reference         an fd index out of range, used twice, unused, or too many fds
+    duplicate_tensor_name     two descriptors with the same name
+    too_many_tensors          more than MAX_TENSORS descriptors
+    truncated_frame           the stream ended inside a frame (short read)
+    stale_epoch               an epoch below the highest the receiver has seen (or fenced)
+    stale_generation          a generation other than the worker's
+    stale_instance            an instance id other than the worker process's
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import socket
+import struct
+import sys
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import numpy as np
+
+if sys.byteorder != "little":  # the payload is little-endian raw memory
+    raise ImportError("the omnigraph wire needs a little-endian host")
+
+MAGIC = b"OGWF"
+WIRE_VERSION = 1
+PREFIX = struct.Struct("<4sHHIQI")
+PREFIX_BYTES = PREFIX.size
+
+# Why: a header holds descriptors and small bodies (a placement report of a few thousand nodes is
+# the largest); anything bigger is a fault or an attack, refused before it is buffered.
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+# Why: a bound on descriptors keeps header validation O(small); no stage has more I/O than this.
+MAX_TENSORS = 64
+# Why: ORT graphs here are rank <= 4; 8 leaves room and bounds the product computation.
+MAX_RANK = 8
+# Why: no real dimension reaches 2**31; bigger values are overflow attempts.
+MAX_DIM = 2**31 - 1
+# Why: names and ids are identifiers, not data.
+MAX_NAME_CHARS = 256
+# Why: SIMD kernels and numpy views want aligned data; 64 covers AVX-512 and cache lines.
+TENSOR_ALIGNMENT = 64
+# Why: below this the two socket copies cost less than memfd_create + mmap + page faults;
+# measured with benchmarks/wire.py (1 MiB tensors are faster through memory files).
+SHM_THRESHOLD_BYTES = 256 * 1024
+# Why: bounds the ancillary buffer; one fd per large tensor.
+MAX_FDS = MAX_TENSORS
+# Why: a frame's integers must survive a round trip through any JSON reader (int64 range).
+MAX_INT = 2**63 - 1
+# Why: the receive path reads in bounded chunks only when it discards an invalid frame's payload.
+DISCARD_CHUNK_BYTES = 64 * 1024
+
+MESSAGE_TYPES = frozenset(
+    {"hello", "load", "loaded", "run", "result", "stats", "stats_result", "fence", "close",
+     "closing", "error"}
+)
+FEATURE_SHM_FD = "shm_fd"
+FEATURES = frozenset({FEATURE_SHM_FD})
+
+# Wire dtype name -> numpy dtype used to view it (bfloat16 travels as its raw uint16 bits).
+WIRE_DTYPES: dict[str, np.dtype] = {
+    "bool": np.dtype(np.bool_),
+    "int8": np.dtype(np.int8),
+    "int16": np.dtype(np.int16),
+    "int32": np.dtype(np.int32),
+    "int64": np.dtype(np.int64),
+    "uint8": np.dtype(np.uint8),
+    "float16": np.dtype(np.float16),
+    "bfloat16": np.dtype(np.uint16),
+    "float32": np.dtype(np.float32),
+    "float64": np.dtype(np.float64),
+}
+_NUMPY_TO_WIRE = {dtype: name for name, dtype in WIRE_DTYPES.items() if name != "bfloat16"}
+_HEADER_KEYS = frozenset(
+    {"v", "type", "request_id", "stage_id", "epoch", "generation", "instance",
+     "features_required", "tensors", "body"}
+)
+
+
+class WireError(Exception):
+    """A frame broke the wire contract. ``code`` is stable; see the module docstring."""
+
+    code = "wire_error"
+
+    def __init__(self, message: str, *, pending_payload_bytes: int | None = None) -> None:
+        super().__init__(message)
+        # Payload bytes of the refused frame still unread on the stream: the receiver may discard
+        # them (discard_payload) and stay in sync. None: the stream cannot be trusted any more.
+        self.pending_payload_bytes = pending_payload_bytes
+
+
+class BadMagic(WireError):
+    code = "bad_magic"
+
+
+class UnsupportedVersion(WireError):
+    code = "unsupported_version"
+
+
+class HeaderTooLarge(WireError):
+    code = "header_too_large"
+
+
+class PayloadTooLarge(WireError):
+    code = "payload_too_large"
+
+
+class MalformedHeader(WireError):
+    code = "malformed_header"
+
+
+class UnknownRequiredFeature(WireError):
+    code = "unknown_required_feature"
+
+
+class UnknownDtype(WireError):
+    code = "unknown_dtype"
+
+
+class BadShape(WireError):
+    code = "bad_shape"
+
+
+class ByteLengthMismatch(WireError):
+    code = "byte_length_mismatch"
+
+
+class BadExtent(WireError):
+    code = "bad_extent"
+
+
+class BadShmReference(WireError):
+    code = "bad_shm_reference"
+
+
+class DuplicateTensorName(WireError):
+    code = "duplicate_tensor_name"
+
+
+class TooManyTensors(WireError):
+    code = "too_many_tensors"
+
+
+class TruncatedFrame(WireError):
+    code = "truncated_frame"
+
+
+class StaleEpoch(WireError):
+    code = "stale_epoch"
+
+
+class StaleGeneration(WireError):
+    code = "stale_generation"
+
+
+class StaleInstance(WireError):
+    code = "stale_instance"
+
+
+WIRE_ERRORS: dict[str, type[WireError]] = {
+    cls.code: cls
+    for cls in (BadMagic, UnsupportedVersion, HeaderTooLarge, PayloadTooLarge, MalformedHeader,
+                UnknownRequiredFeature, UnknownDtype, BadShape, ByteLengthMismatch, BadExtent,
+                BadShmReference, DuplicateTensorName, TooManyTensors, TruncatedFrame, StaleEpoch,
+                StaleGeneration, StaleInstance)
+}
+
+
+class PeerClosed(EOFError):
+    """The peer closed the stream at a frame boundary (a clean end, not a wire fault)."""
+
+
+@dataclass(frozen=True)
+class TensorDescriptor:
+    """Where one tensor of a frame lies: ``offset`` into the payload, or ``fd`` index."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int | None
+    fd: int | None
+
+
+@dataclass
+class Frame:
+    """A validated prefix + header; the payload is still on the stream (``payload_nbytes``).
+
+    ``fds`` are the shared-memory descriptors the frame brought; the frame owns them until
+    read_payload, discard_payload or close_frame closes them (and empties the tuple).
+    """
+
+    type: str
+    request_id: str
+    stage_id: int
+    epoch: int
+    generation: int
+    instance: str
+    features_required: tuple[str, ...]
+    tensors: tuple[TensorDescriptor, ...]
+    body: dict[str, Any]
+    payload_nbytes: int
+    fds: tuple[int, ...]
+
+
+def _align(n: int) -> int:
+    return (n + TENSOR_ALIGNMENT - 1) // TENSOR_ALIGNMENT * TENSOR_ALIGNMENT
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoding
+
+
+def wire_dtype_of(array: np.ndarray) -> str:
+    """The wire name of an array's dtype; UnknownDtype for anything off the whitelist."""
+    name = _NUMPY_TO_WIRE.get(array.dtype)
+    if name is not None:
+        return name
+    if array.dtype.name == "bfloat16" and array.dtype.itemsize == 2:
+        return "bfloat16"
+    raise UnknownDtype(f"dtype {array.dtype.str} ({array.dtype.name}) is not on the wire")
+
+
+def _as_bytes_view(array: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def _shared_memory_file(data: memoryview) -> int:
+    """An anonymous memory file holding ``data``; the caller owns (and must close) the fd."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("omnigraph-tensor", os.MFD_CLOEXEC)
+    else:  # other POSIX systems: an unlinked temporary file in the same role
+        fd, path = tempfile.mkstemp(prefix="omnigraph-tensor-")
+        os.unlink(path)
+    try:
+        os.ftruncate(fd, len(data))
+        written = 0
+        while written < len(data):
+            written += os.pwrite(fd, data[written:], written)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+_PADDING = bytes(TENSOR_ALIGNMENT)
+
+
+def send_frame(
+    sock: socket.socket,
+    msg_type: str,
+    *,
+    request_id: str = "",
+    stage_id: int = 0,
+    epoch: int = 0,
+    generation: int = 0,
+    instance: str = "",
+    body: Mapping[str, Any] | None = None,
+    tensors: Mapping[str, np.ndarray] | None = None,
+    max_payload_bytes: int,
+    shm_threshold_bytes: int = SHM_THRESHOLD_BYTES,
+) -> None:
+    """Encode and send one frame with a single ``sendmsg`` (no copy of inline tensors).
+
+    Refuses (before sending anything) what the receiver would refuse: an unknown dtype, too many
+    tensors, tensors whose bytes add up beyond ``max_payload_bytes``.
+    """
+    if msg_type not in MESSAGE_TYPES:
+        raise MalformedHeader(f"unknown message type {msg_type!r}")
+    tensors = tensors or {}
+    if len(tensors) > MAX_TENSORS:
+        raise TooManyTensors(f"{len(tensors)} tensors, at most {MAX_TENSORS}")
+    descriptors: list[dict[str, Any]] = []
+    buffers: list[Any] = []
+    fds: list[int] = []
+    total = 0
+    offset = 0
+    try:
+        for name, array in tensors.items():
+            array = np.asarray(array)
+            dtype = wire_dtype_of(array)
+            if array.ndim > MAX_RANK:
+                raise BadShape(f"tensor {name!r} has rank {array.ndim}, at most {MAX_RANK}")
+            total += array.nbytes
+            if total > max_payload_bytes:
+                raise PayloadTooLarge(
+                    f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})"
+                )
+            desc: dict[str, Any] = {
+                "name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes
+            }
+            view = _as_bytes_view(array)
+            if array.nbytes >= shm_threshold_bytes and array.nbytes > 0:
+                desc["fd"] = len(fds)
+                fds.append(_shared_memory_file(view))
+            else:
+                desc["offset"] = offset
+                buffers.append(view)
+                padding = _align(array.nbytes) - array.nbytes
+                if padding:
+                    buffers.append(_PADDING[:padding])
+                offset += _align(array.nbytes)
+            descriptors.append(desc)
+        header = {
+            "v": WIRE_VERSION,
+            "type": msg_type,
+            "request_id": request_id,
+            "stage_id": stage_id,
+            "epoch": epoch,
+            "generation": generation,
+            "instance": instance,
+            "features_required": [FEATURE_SHM_FD] if fds else [],
+            "tensors": descriptors,
+            "body": dict(body or {}),
+        }
+        header_bytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+        if len(header_bytes) > MAX_HEADER_BYTES:
+            raise HeaderTooLarge(f"header of {len(header_bytes)} bytes, at most {MAX_HEADER_BYTES}")
+        prefix = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0)
+        _sendmsg_all(sock, [prefix + header_bytes, *buffers], fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _sendmsg_all(sock: socket.socket, buffers: list[Any], fds: list[int]) -> None:
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, np.array(fds, np.int32).tobytes())] if fds else []
+    pending = [memoryview(b).cast("B") for b in buffers]
+    while pending:
+        sent = sock.sendmsg(pending, ancillary)
+        ancillary = []  # the descriptors travel once, with the first bytes
+        while sent and pending:
+            if sent >= len(pending[0]):
+                sent -= len(pending[0])
+                pending.pop(0)
+            else:
+                pending[0] = pending[0][sent:]
+                sent = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Decoding
+
+
+def _recv_exact_into(sock: socket.socket, view: memoryview, *, frame_started: bool) -> None:
+    got = 0
+    while got < len(view):
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            if not frame_started and got == 0:
+                raise PeerClosed("peer closed the connection")
+            raise TruncatedFrame(f"stream ended after {got} of {len(view)} bytes")
+        got += n
+        frame_started = True
+
+
+def _recv_prefix(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """The prefix bytes and the descriptors that came with them (SCM_RIGHTS)."""
+    data = b""
+    fds: list[int] = []
+    ancillary_size = socket.CMSG_SPACE(MAX_FDS * 4)
+    try:
+        while len(data) < PREFIX_BYTES:
+            chunk, ancdata, flags, _ = sock.recvmsg(PREFIX_BYTES - len(data), ancillary_size)
+            for level, kind, payload in ancdata:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                    usable = len(payload) - len(payload) % 4
+                    fds.extend(np.frombuffer(payload[:usable], np.int32).tolist())
+            if flags & socket.MSG_CTRUNC:
+                raise BadShmReference(f"more than {MAX_FDS} file descriptors with one frame")
+            if not chunk:
+                if data:
+                    raise TruncatedFrame(f"stream ended after {len(data)} prefix bytes")
+                raise PeerClosed("peer closed the connection")
+            data += chunk
+    except BaseException:
+        _close_fds(fds)
+        raise
+    return data, fds
+
+
+def _close_fds(fds: list[int] | tuple[int, ...]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _reject_constant(name: str) -> Any:
+    raise MalformedHeader(f"header holds the non-JSON number {name}")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise MalformedHeader(f"header repeats the key {key!r}")
+            seen.add(key)
+    return result
+
+
+def _int_field(header: Mapping[str, Any], key: str) -> int:
+    value = header[key]
+    if type(value) is not int or not 0 <= value <= MAX_INT:
+        raise MalformedHeader(f"header field {key!r} must be an integer in [0, 2**63), got {value!r}")
+    return value
+
+
+def _str_field(header: Mapping[str, Any], key: str) -> str:
+    value = header[key]
+    if type(value) is not str or len(value) > MAX_NAME_CHARS:
+        raise MalformedHeader(f"header field {key!r} must be a string of at most {MAX_NAME_CHARS} characters")
+    return value
+
+
+def parse_header(
+    prefix: bytes, header_bytes: bytes | bytearray, *, max_payload_bytes: int, fd_count: int = 0
+) -> Frame:
+    """Validate a prefix + header; raises the specific WireError. Allocates nothing for payload."""
+    magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack(prefix)
+    pending = payload_len  # a fault found from here on leaves the stream in sync
+    try:
+        header = json.loads(
+            bytes(header_bytes).decode("utf-8"),
+            parse_constant=_reject_constant,
+            object_pairs_hook=_no_duplicate_keys,
+        )
+    except MalformedHeader as exc:
+        exc.pending_payload_bytes = pending
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise MalformedHeader(f"header is not UTF-8 JSON: {exc}", pending_payload_bytes=pending) from None
+    try:
+        return _validate_header(header, version, payload_len, max_payload_bytes, fd_count)
+    except WireError as exc:
+        exc.pending_payload_bytes = pending
+        raise
+
+
+def _validate_header(
+    header: Any, version: int, payload_len: int, max_payload_bytes: int, fd_count: int
+) -> Frame:
+    if type(header) is not dict:
+        raise MalformedHeader("header must be a JSON object")
+    missing = _HEADER_KEYS - header.keys()
+    if missing:
+        raise MalformedHeader(f"header lacks {sorted(missing)}")
+    unknown = header.keys() - _HEADER_KEYS
+    if unknown:
+        raise MalformedHeader(f"header has unknown fields {sorted(unknown)}")
+    if header["v"] != version:
+        raise UnsupportedVersion(f"header version {header['v']!r} disagrees with prefix version {version}")
+    msg_type = header["type"]
+    if msg_type not in MESSAGE_TYPES:
+        raise MalformedHeader(f"unknown message type {msg_type!r}")
+    features = header["features_required"]
+    if type(features) is not list or not all(type(f) is str for f in features):
+        raise MalformedHeader("features_required must be a list of strings")
+    lacking = [f for f in features if f not in FEATURES]
+    if lacking:
+        raise UnknownRequiredFeature(f"required features {lacking} are not supported (have {sorted(FEATURES)})")
+    body = header["body"]
+    if type(body) is not dict:
+        raise MalformedHeader("body must be a JSON object")
+    descriptors = header["tensors"]
+    if type(descriptors) is not list:
+        raise MalformedHeader("tensors must be a list")
+    tensors = _validate_descriptors(descriptors, payload_len, max_payload_bytes, fd_count)
+    return Frame(
+        type=msg_type,
+        request_id=_str_field(header, "request_id"),
+        stage_id=_int_field(header, "stage_id"),
+        epoch=_int_field(header, "epoch"),
+        generation=_int_field(header, "generation"),
+        instance=_str_field(header, "instance"),
+        features_required=tuple(features),
+        tensors=tensors,
+        body=body,
+        payload_nbytes=payload_len,
+        fds=(),
+    )
+
+
+def _validate_descriptors(
+    descriptors: list[Any], payload_len: int, max_payload_bytes: int, fd_count: int
+) -> tuple[TensorDescriptor, ...]:
+    if len(descriptors) > MAX_TENSORS:
+        raise TooManyTensors(f"{len(descriptors)} tensors, at most {MAX_TENSORS}")
+    result: list[TensorDescriptor] = []
+    names: set[str] = set()
+    fds_used: set[int] = set()
+    extents: list[tuple[int, int, str]] = []
+    total = 0
+    for desc in descriptors:
+        if type(desc) is not dict:
+            raise MalformedHeader("a tensor descriptor must be a JSON object")
+        keys = desc.keys()
+        if not {"name", "dtype", "shape", "nbytes"} <= keys or len(keys & {"offset", "fd"}) != 1 \
+                or not keys <= {"name", "dtype", "shape", "nbytes", "offset", "fd"}:
+            raise MalformedHeader(
+                f"a tensor descriptor needs name, dtype, shape, nbytes and one of offset/fd; got {sorted(keys)}"
+            )
+        name = desc["name"]
+        if type(name) is not str or not name or len(name) > MAX_NAME_CHARS:
+            raise MalformedHeader(f"tensor name must be a non-empty string of at most {MAX_NAME_CHARS} characters")
+        if name in names:
+            raise DuplicateTensorName(f"tensor {name!r} appears twice")
+        names.add(name)
+        dtype = desc["dtype"]
+        if type(dtype) is not str or dtype not in WIRE_DTYPES:
+            raise UnknownDtype(f"tensor {name!r} has dtype {dtype!r}; allowed: {sorted(WIRE_DTYPES)}")
+        shape = desc["shape"]
+        if type(shape) is not list:
+            raise BadShape(f"tensor {name!r} shape must be a list")
+        if len(shape) > MAX_RANK:
+            raise BadShape(f"tensor {name!r} has rank {len(shape)}, at most {MAX_RANK}")
+        for dim in shape:
+            if type(dim) is not int:
+                raise BadShape(f"tensor {name!r} has a non-integer dim {dim!r}")
+            if dim < 0:
+                raise BadShape(f"tensor {name!r} has a negative dim {dim}")
+            if dim > MAX_DIM:
+                raise BadShape(f"tensor {name!r} has a dim {dim} above {MAX_DIM}")
+        shape_t = tuple(shape)
+        nbytes = desc["nbytes"]
+        expected = _prod(shape_t) * WIRE_DTYPES[dtype].itemsize
+        if type(nbytes) is not int or nbytes != expected:
+            raise ByteLengthMismatch(
+                f"tensor {name!r}: nbytes {nbytes!r} but shape {list(shape_t)} of {dtype} is {expected} bytes"
+            )
+        total += nbytes
+        if total > max_payload_bytes:
+            raise PayloadTooLarge(f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})")
+        offset = desc.get("offset")
+        fd = desc.get("fd")
+        if offset is not None:
+            if type(offset) is not int or offset < 0 or offset % TENSOR_ALIGNMENT:
+                raise BadExtent(f"tensor {name!r}: offset {offset!r} is not a {TENSOR_ALIGNMENT}-aligned byte offset")
+            if offset + _align(nbytes) > payload_len:
+                raise BadExtent(
+                    f"tensor {name!r}: extent [{offset}, {offset + _align(nbytes)}) ends beyond the payload ({payload_len} bytes)"
+                )
+            extents.append((offset, offset + _align(nbytes), name))
+        else:
+            if type(fd) is not int or not 0 <= fd < fd_count:
+                raise BadShmReference(f"tensor {name!r}: fd index {fd!r} but {fd_count} descriptors came with the frame")
+            if fd in fds_used:
+                raise BadShmReference(f"tensor {name!r}: fd index {fd} is used twice")
+            if nbytes == 0:
+                raise BadShmReference(f"tensor {name!r}: an empty tensor must travel inline")
+            fds_used.add(fd)
+        result.append(TensorDescriptor(name, dtype, shape_t, nbytes, offset, fd))
+    if len(fds_used) != fd_count:
+        raise BadShmReference(f"{fd_count} descriptors came with the frame but {len(fds_used)} are referenced")
+    extents.sort()
+    for (_, end, first), (start, _, second) in zip(extents, extents[1:]):
+        if start < end:
+            raise BadExtent(f"tensors {first!r} and {second!r} overlap in the payload")
+    inline_total = sum(end - start for start, end, _ in extents)
+    if inline_total != payload_len:
+        raise ByteLengthMismatch(
+            f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)"
+        )
+    return tuple(result)
+
+
+def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
+    """Read and validate one prefix + header; the payload stays on the stream.
+
+    On a WireError whose ``pending_payload_bytes`` is not None the caller may call
+    discard_payload to stay in sync; otherwise the stream must be closed.
+    """
+    prefix, fds = _recv_prefix(sock)
+    try:
+        magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack(prefix)
+        if magic != MAGIC or flags != 0 or reserved != 0:
+            raise BadMagic(f"prefix {prefix[:4]!r} flags {flags} reserved {reserved}: not an omnigraph frame")
+        if version != WIRE_VERSION:
+            raise UnsupportedVersion(f"wire version {version}, this side speaks {WIRE_VERSION}")
+        if header_len == 0 or header_len > MAX_HEADER_BYTES:
+            raise HeaderTooLarge(f"header length {header_len}, allowed 1..{MAX_HEADER_BYTES}")
+        if payload_len > max_payload_bytes:
+            raise PayloadTooLarge(f"payload length {payload_len}, at most {max_payload_bytes}")
+        header_bytes = bytearray(header_len)
+        _recv_exact_into(sock, memoryview(header_bytes), frame_started=True)
+        frame = parse_header(prefix, header_bytes, max_payload_bytes=max_payload_bytes, fd_count=len(fds))
+        for desc in frame.tensors:
+            if desc.fd is not None:
+                size = os.fstat(fds[desc.fd]).st_size
+                if size != desc.nbytes:
+                    raise ByteLengthMismatch(
+                        f"tensor {desc.name!r}: shared memory holds {size} bytes, descriptor says {desc.nbytes}",
+                        pending_payload_bytes=payload_len,
+                    )
+    except BaseException:
+        _close_fds(fds)
+        raise
+    frame.fds = tuple(fds)
+    return frame
+
+
+def read_payload(sock: socket.socket, frame: Frame) -> dict[str, np.ndarray]:
+    """Receive the payload of a validated frame; arrays view the payload or the shared memory."""
+    try:
+        storage = np.empty(frame.payload_nbytes + TENSOR_ALIGNMENT, np.uint8)
+        start = -storage.ctypes.data % TENSOR_ALIGNMENT
+        payload = storage[start:start + frame.payload_nbytes]
+        _recv_exact_into(sock, memoryview(payload), frame_started=True)
+        arrays: dict[str, np.ndarray] = {}
+        for desc in frame.tensors:
+            dtype = WIRE_DTYPES[desc.dtype]
+            if desc.fd is not None:
+                mapping = mmap.mmap(frame.fds[desc.fd], desc.nbytes, access=mmap.ACCESS_COPY)
+                flat = np.frombuffer(mapping, dtype)
+            else:
+                flat = payload[desc.offset:desc.offset + desc.nbytes].view(dtype)
+            arrays[desc.name] = flat.reshape(desc.shape)
+        return arrays
+    finally:
+        close_frame(frame)
+
+
+def discard_payload(sock: socket.socket, frame_or_nbytes: Frame | int) -> None:
+    """Skip a refused frame's payload through a small fixed buffer (nothing sized by the peer)."""
+    if isinstance(frame_or_nbytes, Frame):
+        close_frame(frame_or_nbytes)
+        remaining = frame_or_nbytes.payload_nbytes
+    else:
+        remaining = frame_or_nbytes
+    scratch = memoryview(bytearray(min(remaining, DISCARD_CHUNK_BYTES)))
+    while remaining:
+        n = sock.recv_into(scratch[:min(remaining, len(scratch))])
+        if n == 0:
+            raise TruncatedFrame(f"stream ended with {remaining} payload bytes unread")
+        remaining -= n
+
+
+def close_frame(frame: Frame) -> None:
+    """Close the shared-memory descriptors a frame brought (idempotent)."""
+    _close_fds(frame.fds)
+    frame.fds = ()
+
+
+def recv_message(sock: socket.socket, *, max_payload_bytes: int) -> tuple[Frame, dict[str, np.ndarray]]:
+    """read_frame + read_payload: one whole message."""
+    frame = read_frame(sock, max_payload_bytes=max_payload_bytes)
+    return frame, read_payload(sock, frame)

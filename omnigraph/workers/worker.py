@@ -1,0 +1,214 @@
+"""The graph worker process: ``python -m omnigraph.workers.worker --connect SOCKET --generation N
+--route JSON``.
+
+It connects to its controller's Unix socket, announces itself (hello: interpreter, versions,
+providers, pid, process start time, a random instance id, wire version and features), then serves
+one message at a time: load, run, stats, fence, close. Imports stdlib, numpy, onnxruntime, onnx
+and omnigraph.bundles only.
+
+Refusals: a message for another generation or instance, or with an epoch below the highest seen,
+gets an error frame (stale_generation / stale_instance / stale_epoch) and changes nothing (a fence
+is never answered: it only raises the epoch floor). A
+malformed frame gets an error frame with its wire code; when the stream is still in sync (the
+prefix was sound) the payload is skipped unread and the worker goes on, otherwise it exits with
+EXIT_WIRE_DESYNC. A refused load (bad bundle, placement) leaves the worker usable, with its
+previous session (if any) still loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import secrets
+import socket
+import sys
+import time
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from omnigraph.workers import procfs, wire
+from omnigraph.workers.errors import LoadRefused, RemoteError
+from omnigraph.workers.reports import WorkerHello
+from omnigraph.workers.route import WorkerRoute
+from omnigraph.workers.session import GraphSession, load_session
+
+EXIT_OK = 0
+EXIT_WIRE_DESYNC = 3  # a frame broke the wire before its length could be trusted
+
+
+def _device_memory(device_id: int) -> dict[str, int] | None:
+    """cudaMemGetInfo of the route's device, when a CUDA runtime is loadable (else None)."""
+    import ctypes
+
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            cudart = ctypes.CDLL(name)
+        except OSError:
+            continue
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        if cudart.cudaSetDevice(device_id) != 0 or cudart.cudaMemGetInfo(ctypes.byref(free), ctypes.byref(total)) != 0:
+            return None
+        return {"device_id": device_id, "free_bytes": free.value, "total_bytes": total.value}
+    return None
+
+
+class GraphWorker:
+    """Serves one controller connection."""
+
+    def __init__(self, sock: socket.socket, route: WorkerRoute, generation: int) -> None:
+        self._sock = sock
+        self._route = route
+        self._generation = generation
+        self._instance = secrets.token_hex(16)
+        self._max_epoch = 0
+        self._session: GraphSession | None = None
+        self._manifest_sha256: str | None = None
+        self._counters = {"runs": 0, "failed_runs": 0, "loads": 0, "refused_frames": 0}
+
+    def hello(self) -> WorkerHello:
+        ticks = procfs.process_start_ticks()
+        return WorkerHello(
+            interpreter=sys.executable,
+            python_version=platform.python_version(),
+            onnxruntime_version=ort.__version__,
+            onnx_version=onnx.__version__,
+            numpy_version=np.__version__,
+            available_providers=tuple(ort.get_available_providers()),
+            pid=os.getpid(),
+            start_time_ticks=ticks,
+            start_time_unix=procfs.process_start_unix(ticks),
+            instance=self._instance,
+            wire_version=wire.WIRE_VERSION,
+            features=tuple(sorted(wire.FEATURES)),
+        )
+
+    def serve(self) -> int:
+        """Answer messages until close or the controller goes; returns the exit status."""
+        self._send("hello", body=self.hello().to_dict())
+        while True:
+            try:
+                frame = wire.read_frame(self._sock, max_payload_bytes=self._route.max_io_bytes)
+            except wire.PeerClosed:
+                return EXIT_OK
+            except wire.WireError as exc:
+                self._counters["refused_frames"] += 1
+                self._send_error(None, exc.code, str(exc))
+                if exc.pending_payload_bytes is None:
+                    return EXIT_WIRE_DESYNC
+                wire.discard_payload(self._sock, exc.pending_payload_bytes)
+                continue
+            if frame.type == "fence":  # never answered: raise the floor (a lower fence is moot)
+                if frame.generation == self._generation and frame.instance == self._instance:
+                    self._max_epoch = max(self._max_epoch, frame.epoch)
+                wire.discard_payload(self._sock, frame)
+                continue
+            try:
+                self._check_fresh(frame)
+            except wire.WireError as exc:
+                self._counters["refused_frames"] += 1
+                wire.discard_payload(self._sock, frame)
+                self._send_error(frame, exc.code, str(exc))
+                continue
+            arrays = wire.read_payload(self._sock, frame)
+            if frame.type == "close":
+                self._reply(frame, "closing")
+                return EXIT_OK
+            self._dispatch(frame, arrays)
+
+    def _check_fresh(self, frame: wire.Frame) -> None:
+        if frame.generation != self._generation:
+            raise wire.StaleGeneration(f"message for generation {frame.generation}, this worker is generation {self._generation}")
+        if frame.instance != self._instance:
+            raise wire.StaleInstance(f"message for instance {frame.instance!r}, this worker process is {self._instance!r}")
+        if frame.epoch < self._max_epoch:
+            raise wire.StaleEpoch(f"message epoch {frame.epoch} is below the fenced epoch {self._max_epoch}")
+        self._max_epoch = frame.epoch
+
+    def _dispatch(self, frame: wire.Frame, arrays: dict[str, np.ndarray]) -> None:
+        try:
+            if frame.type == "run":
+                self._run(frame, arrays)
+            elif frame.type == "load":
+                self._load(frame)
+            elif frame.type == "stats":
+                self._reply(frame, "stats_result", body=self._stats())
+            else:
+                raise RemoteError("unexpected_message", f"a worker does not accept {frame.type!r} messages")
+        except LoadRefused as exc:
+            report = exc.report.to_dict() if exc.report is not None else None
+            self._send_error(frame, exc.code, exc.message, report=report)
+        except RemoteError as exc:
+            self._send_error(frame, exc.code, exc.message)
+
+    def _run(self, frame: wire.Frame, arrays: dict[str, np.ndarray]) -> None:
+        if self._session is None:
+            raise RemoteError("not_loaded", "run before a bundle was loaded")
+        self._counters["runs"] += 1
+        try:
+            outputs = self._session.run(arrays, {d.name: d.dtype for d in frame.tensors})
+        except RemoteError:
+            self._counters["failed_runs"] += 1
+            raise
+        try:
+            self._reply(frame, "result", tensors=outputs)
+        except wire.WireError as exc:  # refused before anything was sent (e.g. too large)
+            self._counters["failed_runs"] += 1
+            self._send_error(frame, exc.code, f"outputs not sent: {exc}")
+
+    def _load(self, frame: wire.Frame) -> None:
+        manifest_path = frame.body.get("manifest_path")
+        if not isinstance(manifest_path, str):
+            raise RemoteError("malformed_header", "load needs body.manifest_path (a string)")
+        self._counters["loads"] += 1
+        session, report = load_session(manifest_path, self._route)
+        self._session, self._manifest_sha256 = session, report.manifest_sha256
+        self._reply(frame, "loaded", body=report.to_dict())
+
+    def _stats(self) -> dict[str, Any]:
+        stats: dict[str, Any] = procfs.memory_status()
+        stats.update(self._counters)
+        stats["manifest_sha256"] = self._manifest_sha256
+        stats["max_epoch"] = self._max_epoch
+        stats["device_memory"] = _device_memory(self._route.device_id) if self._route.ep != "cpu" else None
+        return stats
+
+    def _reply(self, frame: wire.Frame, msg_type: str, *, body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None) -> None:
+        self._send(msg_type, request_id=frame.request_id, stage_id=frame.stage_id, epoch=frame.epoch, body=body, tensors=tensors)
+
+    def _send_error(self, frame: wire.Frame | None, code: str, message: str, **extra: Any) -> None:
+        body = {"code": code, "message": message, **extra}
+        if frame is None:
+            self._send("error", body=body)
+        else:
+            self._reply(frame, "error", body=body)
+
+    def _send(self, msg_type: str, **fields: Any) -> None:
+        wire.send_frame(
+            self._sock, msg_type, generation=self._generation, instance=self._instance,
+            max_payload_bytes=self._route.max_io_bytes, **fields,
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m omnigraph.workers.worker", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--connect", required=True, help="the controller's Unix socket path")
+    parser.add_argument("--generation", required=True, type=int, help="the worker generation the controller assigned")
+    parser.add_argument("--route", required=True, help="the WorkerRoute as JSON")
+    args = parser.parse_args(argv)
+    route = WorkerRoute.from_json(args.route)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(args.connect)
+    try:
+        return GraphWorker(sock, route, args.generation).serve()
+    except (BrokenPipeError, ConnectionResetError, wire.TruncatedFrame):
+        return EXIT_OK  # the controller went away: no one is left to answer
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
