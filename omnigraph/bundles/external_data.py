@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Collection, Iterable
+from pathlib import Path
 
 import onnx
 
@@ -24,8 +25,8 @@ def graph_members(names: Iterable[str], graph_file: str) -> list[str]:
     return sorted({graph_file, *(name for name in names if name.endswith(ONNX_SUFFIX))})
 
 
-def external_data_members(model: onnx.ModelProto, graph_file: str) -> dict[str, str]:
-    """Member name -> first tensor name, for every external-data file the model at `graph_file` reads."""
+def external_data_members(root: Path, graph_file: str, model: onnx.ModelProto) -> dict[str, str]:
+    """Member name -> first tensor name, for every external-data file the graph root/graph_file reads."""
     graph_dir = posixpath.dirname(graph_file)
     members: dict[str, str] = {}
     for tensor in iter_tensors(model):
@@ -33,20 +34,20 @@ def external_data_members(model: onnx.ModelProto, graph_file: str) -> dict[str, 
             continue
         location = next((entry.value for entry in tensor.external_data if entry.key == "location"), "")
         if not location:
-            raise ExternalDataOutsideBundle(f"{graph_file}: external tensor {tensor.name!r} has no location")
+            raise ExternalDataOutsideBundle(f"{root / graph_file}: external tensor {tensor.name!r} has no location")
         try:
             check_member_name(location, what=f"external data of tensor {tensor.name!r}")
         except BundlePathUnsafe as exc:
-            raise ExternalDataOutsideBundle(f"{graph_file}: {exc}") from None
+            raise ExternalDataOutsideBundle(f"{root / graph_file}: {exc}") from None
         members.setdefault(posixpath.join(graph_dir, location), tensor.name)
     return members
 
 
-def check_external_data(model: onnx.ModelProto, graph_file: str, listed: Collection[str]) -> None:
+def check_external_data(root: Path, graph_file: str, model: onnx.ModelProto, listed: Collection[str]) -> None:
     """Refuse a graph that reads external data from a file outside the `listed` member names."""
-    for member, tensor_name in external_data_members(model, graph_file).items():
+    for member, tensor_name in external_data_members(root, graph_file, model).items():
         if member not in listed:
             raise ExternalDataOutsideBundle(
-                f"{graph_file}: tensor {tensor_name!r} reads external data from {member!r}, "
+                f"{root / graph_file}: tensor {tensor_name!r} reads external data from {member!r}, "
                 "which is not a file of the bundle"
             )

@@ -41,7 +41,7 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
         "outputs": [_describe_value(value) for value in model.graph.output],
         "node_count": sum(1 for _ in iter_nodes(model)),
         "custom_op_types": _custom_op_types(model),
-        "external_data_files": sorted(external_data_members(model, graph_file)),
+        "external_data_files": sorted(external_data_members(root, graph_file, model)),
         "files": file_sizes,
         "total_bytes": sum(file_sizes.values()) + len(layout.manifest_bytes),
         "custom_ops": None if manifest.custom_ops is None else manifest.custom_ops.to_dict(),

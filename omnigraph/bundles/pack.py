@@ -72,7 +72,7 @@ def pack_bundle(
             raise BundleFileMissing(f"{field} {name!r} is not a file in {root}")
     graphs = {member: load_graph_structure(root / member) for member in graph_members(names, graph_file)}
     for member, model in graphs.items():
-        check_external_data(model, member, names)
+        check_external_data(root, member, model, names)
 
     files = {name: sha256_file(root / name, progress=progress) for name in names}
     defaults: dict[str, Any] = {

@@ -72,7 +72,7 @@ def verify_bundle(path: str | os.PathLike[str]) -> VerifiedBundle:
         if actual != expected:
             raise BundleHashMismatch(f"{root / name}: sha256 is {actual}, {MANIFEST_NAME} lists {expected}")
     for graph_file in graph_members(manifest.files, manifest.metadata.graph_file):
-        check_external_data(load_graph_structure(root / graph_file), graph_file, manifest.files)
+        check_external_data(root, graph_file, load_graph_structure(root / graph_file), manifest.files)
     metadata = manifest.metadata
     return VerifiedBundle(
         root=root,
