@@ -37,14 +37,14 @@ def _model(
         is_mask = name == "key_mask"
         graph_inputs.append(helper.make_tensor_value_info(name, TensorProto.INT64 if is_mask else TensorProto.FLOAT, shape))
         if activation and elem != TensorProto.FLOAT:
-            nodes.append(helper.make_node("Cast", [name], [f"{name}_cast"], to=elem))
+            nodes.append(helper.make_node("Cast", [name], [f"{name}_cast"], name=f"cast_{name}", to=elem))
             op_inputs.append(f"{name}_cast")
         else:
             op_inputs.append(name)
     for name, (activation, shape) in outputs.items():
         graph_outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
         if activation and elem != TensorProto.FLOAT:
-            nodes.append(helper.make_node("Cast", [f"{name}_raw"], [name], to=TensorProto.FLOAT))
+            nodes.append(helper.make_node("Cast", [f"{name}_raw"], [name], name=f"cast_{name}", to=TensorProto.FLOAT))
             op_outputs.append(f"{name}_raw")
         else:
             op_outputs.append(name)
@@ -52,7 +52,10 @@ def _model(
     op.input.extend(op_inputs)
     del op.output[:]
     op.output.extend(op_outputs)
-    graph = helper.make_graph([op, *nodes], f"omnigraph_{op.op_type}_{dtype}", graph_inputs, graph_outputs)
+    op.name = op.op_type
+    casts_in = [node for node in nodes if node.input[0] in inputs]
+    casts_out = [node for node in nodes if node.input[0] not in inputs]
+    graph = helper.make_graph([*casts_in, op, *casts_out], f"omnigraph_{op.op_type}_{dtype}", graph_inputs, graph_outputs)
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, OPSET)], ir_version=9
     )
