@@ -30,7 +30,6 @@ from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
 
 GRAPH_BACKEND = "external.graph.v1"
 DEFAULT_MAX_QUEUED_REQUESTS = 32
-DEFAULT_MAX_IO_BYTES = 64 * 1024 * 1024
 _DECLARATION_KEYS = ("model_stage", "execution_type", "input_sources", "final_output",
                      "final_output_type", "custom_process_input_func")
 
@@ -50,7 +49,7 @@ class RouteConfig(_Strict):
     interpreter: str = Field(default_factory=lambda: sys.executable)
     ep: Literal["cpu", "cuda", "tensorrt"] = "cpu"
     device_id: int = Field(default=0, ge=0)
-    os_domain: Literal["posix", "nt"] = "posix"
+    os_domain: Literal["posix"] = "posix"
     provider_options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     enable_cuda_graph: bool = False
     intra_op_num_threads: int | None = Field(default=None, ge=1)
@@ -62,7 +61,7 @@ class GraphBackendConfig(_Strict):
     name: Literal["external.graph.v1"]
     manifest: Path
     route: RouteConfig
-    max_io_bytes: int = Field(default=DEFAULT_MAX_IO_BYTES, gt=0)
+    max_io_bytes: int | None = Field(default=None, gt=0)
     min_fraction_on_target: float = Field(default=1.0, ge=0.0, le=1.0)
     allowed_providers: list[str] | None = None
 

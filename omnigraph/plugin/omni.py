@@ -1,0 +1,245 @@
+"""Omni and AsyncOmni: the Python API over one pipeline (vllm-omni's names and shapes).
+
+`AsyncOmni(...).generate(prompt, request_id=...)` is an async generator yielding one finished
+`OmniRequestOutput`; `Omni(...).generate(prompts)` takes a list and returns a list. Both build the
+same engine: a `StageRuntime` (verified bundles, reserved plan, warmed-up workers), the pipeline's
+processor, and an `Orchestrator`. The front only routes: input processing (the processor), the
+stages (worker replicas) and output processing (the processor's finish) stay separate.
+
+Which plan runs:
+- `deploy_config=` (a YAML path or a `DeployConfig`): that plan; `model=` must match its pipeline.
+- `model=` with `bundle=`: a one-stage plan of that pipeline on a default CPU route.
+- `model=` alone (default "laya"): the pipeline's `default_bundle`, if it declares one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+from collections import deque
+from pathlib import Path
+from typing import Any, AsyncGenerator, Iterable, Mapping, Sequence
+
+from omnigraph.pipelines.config import PipelineConfig
+from omnigraph.pipelines.deploy import (
+    GRAPH_BACKEND,
+    DeployConfig,
+    load_deploy_config,
+    resolve_pipeline,
+    validate_deploy_config,
+)
+from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
+from omnigraph.stages.errors import ResourceUnavailable
+from omnigraph.stages.orchestrator import Orchestrator, RequestState
+from omnigraph.stages.outputs import OmniRequestOutput
+from omnigraph.stages.runtime import DEFAULT_STARTUP_TIMEOUT_S, StageRuntime
+from omnigraph.stages.tensor_processor import TensorProcessor
+
+__all__ = ["AsyncOmni", "Omni", "OmniRequestOutput", "build_plan"]
+
+DEFAULT_MODEL = "laya"
+DEFAULT_ROUTE = "local-cpu"
+
+
+def build_plan(model: str | None = None, deploy_config: str | Path | DeployConfig | None = None,
+               bundle: str | Path | None = None) -> tuple[PipelineConfig, DeployConfig]:
+    """The pipeline and the deploy plan that `Omni`/`AsyncOmni` would run for these arguments."""
+    if deploy_config is not None:
+        if bundle is not None:
+            raise ValueError("pass either bundle= or deploy_config=, not both (the deploy YAML names its bundles)")
+        deploy = deploy_config if isinstance(deploy_config, DeployConfig) else load_deploy_config(deploy_config)
+        if model is not None and model != deploy.pipeline:
+            raise ValueError(f"model={model!r} but the deploy config runs pipeline {deploy.pipeline!r}")
+        return resolve_pipeline(deploy), deploy
+    pipeline = get_pipeline(model or DEFAULT_MODEL)
+    if bundle is None:
+        if pipeline.default_bundle is None:
+            raise ValueError(f"pipeline {pipeline.model_type!r} has no default bundle: pass bundle= or deploy_config=")
+        bundle = resolve_dotted(pipeline.default_bundle)()
+    if len(pipeline.stages) != 1:
+        raise ValueError(
+            f"pipeline {pipeline.model_type!r} has {len(pipeline.stages)} stages; bundle= builds one-stage plans, "
+            "use deploy_config= for more"
+        )
+    deploy = validate_deploy_config({
+        "pipeline": pipeline.model_type,
+        "stages": [{
+            "stage_id": pipeline.stages[0].stage_id,
+            "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle),
+                        "route": {"name": DEFAULT_ROUTE, "interpreter": sys.executable, "ep": "cpu"}},
+        }],
+    })
+    return pipeline, deploy
+
+
+class OmniBase:
+    """Startup, introspection and shutdown shared by `Omni` and `AsyncOmni`."""
+
+    def __init__(self, model: str | None = None, deploy_config: str | Path | DeployConfig | None = None,
+                 bundle: str | Path | None = None, *, max_queued_requests: int | None = None,
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, warmup: bool = True) -> None:
+        self.pipeline, self.deploy = build_plan(model, deploy_config, bundle)
+        self.runtime = StageRuntime(self.pipeline, self.deploy, startup_timeout=startup_timeout)
+        self.runtime.start()
+        try:
+            if self.pipeline.processor is not None:
+                self.processor: Any = resolve_dotted(self.pipeline.processor)(self.runtime.bundles)
+            else:
+                self.processor = TensorProcessor(self.runtime.ordered_stages[0].input_specs)
+            self.orchestrator = Orchestrator(
+                self.runtime, self.processor,
+                max_queued_requests=max_queued_requests or self.deploy.max_queued_requests,
+            )
+            if warmup and hasattr(self.processor, "warmup_request"):
+                request = self.orchestrator.submit(self.processor.warmup_request(), request_id=f"warmup-{uuid.uuid4().hex}")
+                try:
+                    request.future.result(timeout=startup_timeout)
+                finally:
+                    self.orchestrator.acknowledge(request)
+        except BaseException:
+            self.runtime.shutdown()
+            raise
+
+    @property
+    def model(self) -> str:
+        return self.pipeline.model_type
+
+    @property
+    def execution_plan(self) -> dict[str, Any]:
+        """Per stage and replica: manifest identity, worker generation, route, reservation, placement."""
+        return self.runtime.execution_plan()
+
+    def audit(self) -> dict:
+        """What produces the answers (the processor's audit; empty for raw graph pipelines)."""
+        return self.processor.audit()
+
+    def warmup_request(self) -> dict:
+        """A real request that exercises the whole pipeline (processor pipelines only)."""
+        if not hasattr(self.processor, "warmup_request"):
+            raise TypeError(f"pipeline {self.model!r} has no processor, so no warmup request")
+        return self.processor.warmup_request()
+
+    def health(self) -> dict[int, str]:
+        """Failed stages -> reason; empty while every stage has a live replica."""
+        return self.runtime.health()
+
+    def failure(self) -> str | None:
+        """One line saying why the pipeline cannot serve, or None when it can."""
+        failed = self.runtime.health()
+        return "; ".join(f"stage {stage_id}: {reason}" for stage_id, reason in failed.items()) or None
+
+    def queue_depth(self) -> int:
+        """Admitted requests not yet acknowledged (the admission bound applies to this)."""
+        return self.orchestrator.queue_depth
+
+    def ledger_snapshot(self) -> dict[str, Any]:
+        """Capacities, charges and live reservations of the resource ledger."""
+        return self.runtime.ledger.snapshot()
+
+    def shutdown(self) -> None:
+        """Fail unfinished requests, stop every worker, release every reservation. Idempotent."""
+        self.orchestrator.close()
+        self.runtime.shutdown()
+
+    def _output(self, request: RequestState, result: Any) -> OmniRequestOutput:
+        return OmniRequestOutput(
+            request_id=request.request_id,
+            stage_id=self.pipeline.final_stage.stage_id,
+            finished=True,
+            final_output_type=self.pipeline.final_output_type,
+            custom_output=result,
+            stage_durations=dict(request.stage_durations),
+            _release=lambda: self.orchestrator.acknowledge(request),
+        )
+
+
+class AsyncOmni(OmniBase):
+    """The asyncio front: `generate` per request, `abort`, `shutdown`; also an async context manager."""
+
+    async def generate(self, prompt: Mapping[str, Any], request_id: str | None = None, *,
+                       deadline_s: float | None = None) -> AsyncGenerator[OmniRequestOutput, None]:
+        """Yield the request's finished output.
+
+        Raises `RequestInvalid` (the prompt), `ResourceUnavailable` (queue full), `StageUnavailable`
+        (no live replica), `DeadlineExceeded`, `RequestCancelled` (aborted). Cancelling the
+        consuming task aborts the request. The result is acknowledged when the generator advances
+        or closes.
+        """
+        request = self.orchestrator.submit(prompt, request_id=request_id, deadline_s=deadline_s)
+        try:
+            try:
+                result = await asyncio.wrap_future(request.future)
+            except asyncio.CancelledError:
+                self.orchestrator.abort(request.request_id)
+                raise
+            yield self._output(request, result)
+        finally:
+            self.orchestrator.acknowledge(request)
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Cancel requests: queued ones leave undispatched; one in a call retires its worker."""
+        for one in [request_id] if isinstance(request_id, str) else request_id:
+            self.orchestrator.abort(one)
+
+    async def __aenter__(self) -> AsyncOmni:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    def __enter__(self) -> AsyncOmni:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+class Omni(OmniBase):
+    """The blocking front: `generate(prompts)` returns one output per prompt, in order."""
+
+    def generate(self, prompts: Mapping[str, Any] | Sequence[Mapping[str, Any]], *,
+                 deadline_s: float | None = None) -> list[OmniRequestOutput]:
+        """Run every prompt; a prompt that fails after admission gets an output with `error` set.
+
+        Every prompt is validated before any is admitted (`RequestInvalid` propagates). At most
+        the admission bound runs at once; the rest wait for earlier ones to finish.
+        """
+        batch = [prompts] if isinstance(prompts, Mapping) else list(prompts)
+        prepared = [self.processor.prepare(prompt) for prompt in batch]
+        outputs: list[OmniRequestOutput | None] = [None] * len(batch)
+        running: deque[tuple[int, RequestState]] = deque()
+        for index, work in enumerate(prepared):
+            while True:
+                try:
+                    running.append((index, self.orchestrator.admit(work, deadline_s=deadline_s)))
+                    break
+                except ResourceUnavailable:
+                    if not running:
+                        raise
+                    self._collect(*running.popleft(), outputs)
+        while running:
+            self._collect(*running.popleft(), outputs)
+        return outputs  # type: ignore[return-value]
+
+    def abort(self, request_id: str | Iterable[str]) -> None:
+        for one in [request_id] if isinstance(request_id, str) else request_id:
+            self.orchestrator.abort(one)
+
+    def __enter__(self) -> Omni:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    def _collect(self, index: int, request: RequestState, outputs: list[OmniRequestOutput | None]) -> None:
+        try:
+            output = self._output(request, request.future.result())
+        except Exception as exc:
+            output = OmniRequestOutput(
+                request_id=request.request_id, stage_id=self.pipeline.final_stage.stage_id, finished=True,
+                final_output_type=self.pipeline.final_output_type, custom_output=None,
+                stage_durations=dict(request.stage_durations), error=f"{type(exc).__name__}: {exc}",
+            )
+        self.orchestrator.acknowledge(request)
+        outputs[index] = output

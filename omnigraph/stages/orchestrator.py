@@ -1,0 +1,246 @@
+"""The orchestrator: admission, stage-to-stage handoff, cancellation and deadlines.
+
+A request is prepared by the pipeline's processor (nothing reaches a stage before the whole
+request is valid), admitted against a bounded queue (full: `ResourceUnavailable` at once), and
+its work items enter the first stage. Each stage's replica threads run the calls; when a call
+returns, the same thread hands the outputs to the next stage (through the stage's
+`custom_process_input_func`, checked against the inputs the next bundle declares) or, after the
+final stage, finishes the request with the processor. The caller only waits on a future, so the
+whole path costs two thread hand-offs (into the replica thread, back to the caller).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from typing import Any, Mapping
+
+import numpy as np
+
+from omnigraph.pipelines.processor import PreparedRequest
+from omnigraph.stages.errors import (
+    DeadlineExceeded,
+    HandoffInvalid,
+    PipelineClosed,
+    RequestCancelled,
+    ResourceUnavailable,
+    StageUnavailable,
+)
+from omnigraph.stages.runtime import GraphStage, StageRuntime
+from omnigraph.stages.tensors import check_tensors
+
+DEFAULT_MAX_QUEUED_REQUESTS = 32
+
+
+class RequestState:
+    """One admitted request: its prepared work, its outputs so far and the future its caller awaits."""
+
+    __slots__ = ("request_id", "prepared", "deadline", "future", "stage_durations", "finished",
+                 "_outputs", "_remaining", "_lock")
+
+    def __init__(self, request_id: str, prepared: PreparedRequest, deadline: float | None) -> None:
+        self.request_id = request_id
+        self.prepared = prepared
+        self.deadline = deadline
+        self.future: Future[Any] = Future()
+        self.stage_durations: dict[int, float] = {}
+        self.finished = False
+        self._outputs: list[Mapping[str, np.ndarray] | None] = [None] * len(prepared.work)
+        self._remaining = len(prepared.work)
+        self._lock = threading.Lock()
+
+    def remaining_time(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def record(self, stage_id: int, seconds: float) -> None:
+        with self._lock:
+            self.stage_durations[stage_id] = self.stage_durations.get(stage_id, 0.0) + seconds
+
+    def store(self, index: int, outputs: Mapping[str, np.ndarray]) -> bool:
+        """Keep one work item's final outputs; True when it was the last one outstanding."""
+        with self._lock:
+            self._outputs[index] = outputs
+            self._remaining -= 1
+            return self._remaining == 0
+
+    def take_outputs(self) -> list[Mapping[str, np.ndarray]]:
+        outputs, self._outputs = self._outputs, []
+        return outputs  # type: ignore[return-value]
+
+    def resolve(self, result: Any) -> None:
+        with self._lock:
+            if self.finished:
+                return
+            self.finished = True
+        self.future.set_result(result)
+
+    def reject(self, error: BaseException) -> bool:
+        with self._lock:
+            if self.finished:
+                return False
+            self.finished = True
+            self._outputs = []
+        self.future.set_exception(error)
+        return True
+
+
+class _WorkItem:
+    """One forward call of a request at one position of the chain (see graph_client.WorkItem)."""
+
+    __slots__ = ("request", "index", "position", "tensors", "request_id", "_orchestrator")
+
+    def __init__(self, orchestrator: Orchestrator, request: RequestState, index: int, position: int,
+                 tensors: Mapping[str, np.ndarray]) -> None:
+        self._orchestrator = orchestrator
+        self.request = request
+        self.index = index
+        self.position = position
+        self.tensors = tensors
+        self.request_id = request.request_id
+
+    @property
+    def epoch(self) -> int:
+        """The pipeline's cancellation epoch when the call is dispatched (never decreases)."""
+        return self._orchestrator.epoch
+
+    def is_live(self) -> bool:
+        return not self.request.finished
+
+    def remaining(self) -> float | None:
+        return self.request.remaining_time()
+
+    def complete(self, outputs: dict[str, np.ndarray], seconds: float) -> None:
+        self._orchestrator._advance(self, outputs, seconds)
+
+    def fail(self, error: BaseException) -> None:
+        self.request.reject(error)
+
+
+class Orchestrator:
+    """Moves requests of one pipeline through its stages."""
+
+    def __init__(self, runtime: StageRuntime, processor: Any, *,
+                 max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> None:
+        if max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")
+        self.runtime = runtime
+        self.processor = processor
+        self.max_queued_requests = max_queued_requests
+        self._chain: list[GraphStage] = runtime.ordered_stages
+        self._active: dict[str, RequestState] = {}
+        self._lock = threading.Lock()
+        self.epoch = 0
+        self._closed = False
+
+    @property
+    def queue_depth(self) -> int:
+        """Admitted requests not yet acknowledged (queued, running or holding a result)."""
+        return len(self._active)
+
+    def submit(self, prompt: Mapping[str, Any], *, request_id: str | None = None,
+               deadline_s: float | None = None) -> RequestState:
+        """Prepare and admit a request; raises `RequestInvalid`, `ResourceUnavailable`, `StageUnavailable`."""
+        self._check_open()
+        return self.admit(self.processor.prepare(prompt), request_id=request_id, deadline_s=deadline_s)
+
+    def admit(self, prepared: PreparedRequest, *, request_id: str | None = None,
+              deadline_s: float | None = None) -> RequestState:
+        """Admit an already prepared request and queue its work in the first stage."""
+        self._check_open()
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        deadline = None if deadline_s is None else time.monotonic() + deadline_s
+        with self._lock:
+            if self._closed:
+                raise PipelineClosed("the pipeline is shut down")
+            if request_id in self._active:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            if len(self._active) >= self.max_queued_requests:
+                raise ResourceUnavailable(
+                    f"queue full: {len(self._active)} requests admitted (max_queued_requests={self.max_queued_requests})"
+                )
+            request = RequestState(request_id, prepared, deadline)
+            self._active[request_id] = request
+        if not prepared.work:
+            self._finish(request)
+            return request
+        entry = self._chain[0]
+        try:
+            for index, tensors in enumerate(prepared.work):
+                entry.submit(_WorkItem(self, request, index, 0, tensors))
+        except StageUnavailable as exc:
+            request.reject(exc)
+        return request
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PipelineClosed("the pipeline is shut down")
+        failed = self.runtime.health()
+        if failed:
+            stage_id, reason = next(iter(failed.items()))
+            raise StageUnavailable(f"stage {stage_id} has no live replica ({reason}); recreate the pipeline")
+
+    def acknowledge(self, request: RequestState) -> None:
+        """The caller has the result: the request leaves the admission count."""
+        with self._lock:
+            if self._active.get(request.request_id) is request:
+                del self._active[request.request_id]
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel a request: queued work leaves undispatched; a call in flight retires its worker.
+
+        The cancellation epoch moves on, so every call dispatched from now on is newer than the
+        cancelled one.
+        """
+        request = self._active.get(request_id)
+        if request is None or not request.reject(RequestCancelled(f"request {request_id} was aborted")):
+            return False
+        with self._lock:
+            self.epoch += 1
+        for stage in self._chain:
+            for replica in stage.replicas:
+                replica.interrupt(request_id, f"request {request_id} cancelled during its call")
+        return True
+
+    def close(self) -> None:
+        """Refuse new requests and fail every unfinished one (in-flight calls finish first)."""
+        with self._lock:
+            self._closed = True
+            pending = list(self._active.values())
+        for request in pending:
+            request.reject(PipelineClosed(f"request {request.request_id}: the pipeline shut down"))
+
+    def _advance(self, item: _WorkItem, outputs: dict[str, np.ndarray], seconds: float) -> None:
+        """In the replica thread: hand the outputs to the next stage, or finish the request."""
+        request = item.request
+        stage = self._chain[item.position]
+        request.record(stage.stage_id, seconds)
+        position = item.position + 1
+        if position == len(self._chain):
+            if request.store(item.index, outputs):
+                self._finish(request)
+            return
+        following = self._chain[position]
+        try:
+            produced = following.handoff({stage.stage_id: outputs}, request.prepared.work[item.index])
+            if not isinstance(produced, Mapping) or set(produced) != {"tensors"}:
+                raise HandoffInvalid(f"stage {following.stage_id}: custom_process_input_func must return {{'tensors': {{...}}}}")
+            tensors = check_tensors(f"stage {following.stage_id} input", produced["tensors"], following.input_specs)
+            following.submit(_WorkItem(self, request, item.index, position, tensors))
+        except Exception as exc:  # a handoff fault fails this request, never the replica thread
+            request.reject(exc)
+
+    def _finish(self, request: RequestState) -> None:
+        if request.finished:
+            return
+        remaining = request.remaining_time()
+        if remaining is not None and remaining <= 0:
+            request.reject(DeadlineExceeded(f"request {request.request_id}: deadline passed before it finished"))
+            return
+        try:
+            result = self.processor.finish(request.prepared, request.take_outputs())
+        except Exception as exc:
+            request.reject(exc)
+            return
+        request.resolve(result)

@@ -1,0 +1,38 @@
+"""The processor of a raw graph pipeline (one without a model processor).
+
+The prompt is `{"tensors": {name: array}}` for the first stage; the answer is the final stage's
+tensors. Checking the prompt here turns a wrong tensor into `RequestInvalid` (the caller's
+fault) before anything is queued.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from omnigraph.pipelines.processor import PreparedRequest, RequestInvalid
+from omnigraph.stages.errors import HandoffInvalid
+from omnigraph.stages.tensors import InputSpec, check_tensors
+
+
+class TensorProcessor:
+    """Passes tensors through: prepare checks them, finish returns the final outputs."""
+
+    def __init__(self, entry_specs: Mapping[str, InputSpec]) -> None:
+        self._specs = dict(entry_specs)
+
+    def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
+        if not isinstance(request, Mapping) or set(request) != {"tensors"}:
+            raise RequestInvalid("tensors", 'a raw graph pipeline takes {"tensors": {name: numpy array}}')
+        try:
+            tensors = check_tensors("tensors", request["tensors"], self._specs)
+        except HandoffInvalid as exc:
+            raise RequestInvalid("tensors", str(exc).removeprefix("tensors: ")) from None
+        return PreparedRequest(work=(tensors,), context=None)
+
+    def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        return dict(outputs[0])
+
+    def audit(self) -> dict[str, Any]:
+        return {}
