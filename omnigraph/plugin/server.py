@@ -18,7 +18,6 @@ import uvicorn
 from omnigraph.plugin.api.app import build_app
 from omnigraph.plugin.api.service import DEFAULT_DEADLINE_S, DecisionService
 
-DEFAULT_MODEL = "laya"  # the pipeline whose embedded default bundle is served when nothing is named
 DEADLINE_ENV = "OMNIGRAPH_REQUEST_DEADLINE_S"
 
 
@@ -46,6 +45,8 @@ def served_model_name(model: str | None, deploy_config: str | None) -> str:
         from omnigraph.pipelines.deploy import load_deploy_config
 
         return load_deploy_config(deploy_config).pipeline
+    from omnigraph.plugin.omni import DEFAULT_MODEL
+
     return model or DEFAULT_MODEL
 
 
@@ -55,7 +56,8 @@ def build_service(model: str | None, *, bundle: str | None = None, deploy_config
     from omnigraph.plugin.omni import AsyncOmni
 
     def start_engine() -> AsyncOmni:
-        return AsyncOmni(model=model, deploy_config=deploy_config, bundle=bundle)
+        # The service sends the warmup request itself, through the same async path requests take.
+        return AsyncOmni(model=model, deploy_config=deploy_config, bundle=bundle, warmup=False)
 
     return DecisionService(start_engine, model_name=served_model_name(model, deploy_config), deadline_s=deadline_s)
 

@@ -72,7 +72,7 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
 
     app = FastAPI(title="omnigraph", summary="System One decisions over HTTP", lifespan=lifespan)
     app.state.service = service
-    app.state.metrics = ServerMetrics(service.queue_depth, service.reservations)
+    app.state.metrics = ServerMetrics(service.queue_depth, service.ledger_snapshot)
     app.state.max_body_bytes = max_body_bytes
     app.state.started_at = int(time.time())
     app.add_exception_handler(ApiError, api_error_handler)

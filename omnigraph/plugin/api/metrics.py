@@ -6,7 +6,7 @@ engine at scrape time (a collector), so they are never stale.
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -21,9 +21,9 @@ class _EngineGauges(Collector):
     """Queue depth and ledger reservations, read from the engine when Prometheus scrapes."""
 
     def __init__(self, queue_depth: Callable[[], int | None],
-                 reservations: Callable[[], Mapping[str, int] | None]) -> None:
+                 ledger_snapshot: Callable[[], Mapping[str, Any] | None]) -> None:
         self._queue_depth = queue_depth
-        self._reservations = reservations
+        self._ledger_snapshot = ledger_snapshot
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         depth = GaugeMetricFamily("omnigraph_queue_depth", "Requests admitted and not yet finished")
@@ -31,18 +31,24 @@ class _EngineGauges(Collector):
         if value is not None:
             depth.add_metric([], value)
         yield depth
-        reserved = GaugeMetricFamily("omnigraph_reserved", "Resource units reserved in the ledger, by resource",
-                                     labels=["resource"])
-        for resource, amount in sorted((self._reservations() or {}).items()):
-            reserved.add_metric([resource], amount)
-        yield reserved
+        snapshot = self._ledger_snapshot() or {"constraints": {}, "reservations": []}
+        capacity = GaugeMetricFamily("omnigraph_ledger_capacity", "Ledger capacity, by resource", labels=["resource"])
+        charged = GaugeMetricFamily("omnigraph_ledger_reserved", "Ledger units reserved, by resource and state",
+                                    labels=["resource", "state"])
+        for resource, amounts in sorted(snapshot["constraints"].items()):
+            capacity.add_metric([resource], amounts["capacity"])
+            charged.add_metric([resource, "held"], amounts["held"])
+            charged.add_metric([resource, "quarantined"], amounts["quarantined"])
+        reservations = GaugeMetricFamily("omnigraph_ledger_reservations", "Live ledger reservations")
+        reservations.add_metric([], len(snapshot["reservations"]))
+        yield from (capacity, charged, reservations)
 
 
 class ServerMetrics:
     """The metrics one app exports at `GET /metrics`."""
 
     def __init__(self, queue_depth: Callable[[], int | None],
-                 reservations: Callable[[], Mapping[str, int] | None]) -> None:
+                 ledger_snapshot: Callable[[], Mapping[str, Any] | None]) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("omnigraph_http_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)
@@ -53,7 +59,7 @@ class ServerMetrics:
                                        ["stage"], buckets=_LATENCY_BUCKETS, registry=self.registry)
         self.disconnects = Counter("omnigraph_client_disconnects", "Requests aborted because their client went away",
                                    registry=self.registry)
-        self.registry.register(_EngineGauges(queue_depth, reservations))
+        self.registry.register(_EngineGauges(queue_depth, ledger_snapshot))
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

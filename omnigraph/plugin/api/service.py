@@ -36,11 +36,22 @@ NOT_READY_RETRY_AFTER_S = 1
 class DecisionEngine(Protocol):
     """What the HTTP layer needs of `omnigraph.plugin.omni.AsyncOmni`."""
 
-    def generate(self, prompt: Mapping[str, Any], request_id: str) -> AsyncIterator[Any]: ...
+    def generate(self, prompt: Mapping[str, Any], request_id: str, *,
+                 deadline_s: float | None = None) -> AsyncIterator[Any]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
     def audit(self) -> dict: ...
+
+    def warmup_request(self) -> dict: ...
+
+    def failure(self) -> str | None: ...
+
+    def queue_depth(self) -> int: ...
+
+    def ledger_snapshot(self) -> dict[str, Any]: ...
+
+    def shutdown(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -55,14 +66,14 @@ class Decision:
 class DecisionService:
     """Owns the engine for one server: startup, readiness, failure and per-request execution."""
 
-    def __init__(self, start_engine: Callable[[], Any], *, model_name: str,
+    def __init__(self, start_engine: Callable[[], DecisionEngine], *, model_name: str,
                  deadline_s: float = DEFAULT_DEADLINE_S) -> None:
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s!r}")
         self._start_engine = start_engine
         self.model_name = model_name
         self.deadline_s = deadline_s
-        self.engine: Any = None
+        self.engine: DecisionEngine | None = None
         self.ready = False
         self.failure: str | None = None
         self._audit: dict = {}
@@ -108,7 +119,7 @@ class DecisionService:
     def queue_depth(self) -> int | None:
         return None if self.engine is None else self.engine.queue_depth()
 
-    def reservations(self) -> Mapping[str, int] | None:
+    def ledger_snapshot(self) -> Mapping[str, Any] | None:
         return None if self.engine is None else self.engine.ledger_snapshot()
 
     # -- requests ------------------------------------------------------------------------------
@@ -136,7 +147,7 @@ class DecisionService:
         try:
             async with asyncio.timeout(limit):
                 final = None
-                async for output in self.engine.generate(prompt, request_id=request_id):
+                async for output in self.engine.generate(prompt, request_id=request_id, deadline_s=limit):
                     if output.error is not None:
                         raise ApiError(500, f"request failed in stage {output.stage_id}: {output.error}",
                                        code="stage_error")

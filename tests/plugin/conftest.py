@@ -1,0 +1,141 @@
+"""Real `omnigraph serve` processes on 127.0.0.1 for the HTTP tests, and ways to hurt their workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import httpx
+import pytest
+
+STARTUP_TIMEOUT_S = 600  # the first start builds the demo bundle into the cache
+
+REFUND_REQUEST = {"state": "Please refund the duplicate charge.",
+                  "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """One `omnigraph serve` subprocess; `url` is its base URL."""
+
+    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        self._log_file = log.open("w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "omnigraph.plugin.cli", "serve", *args, "--port", str(self.port)],
+            env={**os.environ, **env}, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_listening(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            self.check_alive()
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not listen; log {self.log}")
+            time.sleep(0.02)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        self.wait_listening()
+        while httpx.get(f"{self.url}/ready", timeout=10).status_code != 200:
+            self.check_alive()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not become ready; log {self.log}")
+            time.sleep(0.1)
+
+    def check_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
+
+    def worker_pids(self) -> list[int]:
+        """The graph worker processes this server started (its descendants running the worker module)."""
+        children: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry.name))
+        pending, found = [self.process.pid], []
+        while pending:
+            pid = pending.pop()
+            for child in children.get(pid, []):
+                pending.append(child)
+                try:
+                    if b"omnigraph.workers.worker" in Path(f"/proc/{child}/cmdline").read_bytes():
+                        found.append(child)
+                except OSError:
+                    pass
+        return found
+
+    def signal_workers(self, sig: signal.Signals) -> list[int]:
+        pids = self.worker_pids()
+        assert pids, "the server has no graph worker"
+        for pid in pids:
+            os.kill(pid, sig)
+        return pids
+
+    def metric(self, name: str) -> float:
+        """The value of one unlabelled Prometheus sample."""
+        for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            for pid in self.worker_pids():  # a stopped worker must be able to die
+                os.kill(pid, signal.SIGCONT)
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self._log_file.close()
+
+
+@pytest.fixture
+def start_server(tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
+    """Start `omnigraph serve [args]` with extra environment; every server is stopped after the test."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None, ready: bool = True) -> ServerProcess:
+        server = ServerProcess(list(args), env or {}, tmp_path / f"server-{len(started)}.log")
+        started.append(server)
+        if ready:
+            server.wait_ready()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The embedded demo (`omnigraph serve` with no model), shared by the tests that do not hurt it."""
+    server = ServerProcess([], {}, tmp_path_factory.mktemp("demo") / "server.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
