@@ -67,7 +67,7 @@ class GraphWorker:
         self._max_epoch = 0
         self._session: GraphSession | None = None
         self._manifest_sha256: str | None = None
-        self._counters = {"runs": 0, "failed_runs": 0, "loads": 0, "refused_frames": 0}
+        self._counters = {"runs": 0, "refused_runs": 0, "failed_runs": 0, "loads": 0, "refused_frames": 0}
 
     def hello(self) -> WorkerHello:
         ticks = procfs.process_start_ticks()
@@ -150,8 +150,8 @@ class GraphWorker:
         self._counters["runs"] += 1
         try:
             outputs = self._session.run(arrays, {d.name: d.dtype for d in frame.tensors})
-        except RemoteError:
-            self._counters["failed_runs"] += 1
+        except RemoteError as exc:  # refused inputs, or ORT failed the run
+            self._counters["failed_runs" if exc.code == "run_failed" else "refused_runs"] += 1
             raise
         try:
             self._reply(frame, "result", tensors=outputs)

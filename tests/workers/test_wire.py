@@ -1,0 +1,243 @@
+"""The frame codec: round trips (inline and shared memory) and refusals before any payload read."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omnigraph.workers import wire
+
+CAP = 1 << 20
+
+
+@pytest.fixture
+def pair():
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    b.settimeout(2.0)  # a decoder that waited for a payload would fail the test, not hang it
+    yield a, b
+    a.close()
+    b.close()
+
+
+def open_fds() -> set[str]:
+    """This process's open descriptors (the listing's own descriptor included: compare two calls
+    made with the same set open)."""
+    return set(os.listdir("/proc/self/fd"))
+
+
+def header(**overrides: Any) -> dict[str, Any]:
+    base = {
+        "v": wire.WIRE_VERSION, "type": "run", "request_id": "r", "stage_id": 0, "epoch": 0,
+        "generation": 1, "instance": "i", "features_required": [], "tensors": [], "body": {},
+    }
+    base.update(overrides)
+    return base
+
+
+def raw_frame(head: dict[str, Any] | bytes, payload_len: int, *, version: int = wire.WIRE_VERSION,
+              magic: bytes = wire.MAGIC, header_len: int | None = None) -> bytes:
+    head_bytes = head if isinstance(head, bytes) else json.dumps(head).encode()
+    length = len(head_bytes) if header_len is None else header_len
+    return wire.PREFIX.pack(magic, version, 0, length, payload_len, 0) + head_bytes
+
+
+def f32(name: str, shape: list[int], offset: int = 0, **extra: Any) -> dict[str, Any]:
+    desc = {"name": name, "dtype": "float32", "shape": shape, "nbytes": int(np.prod(shape)) * 4, "offset": offset}
+    desc.update(extra)
+    return desc
+
+
+def test_round_trip_every_dtype_inline_and_shared(pair):
+    a, b = pair
+    tensors = {
+        "b": np.array([True, False, True]),
+        "i8": np.arange(-3, 3, dtype=np.int8),
+        "i16": np.arange(5, dtype=np.int16).reshape(5, 1),
+        "i32": np.arange(7, dtype=np.int32),
+        "i64": np.arange(12, dtype=np.int64).reshape(3, 4),
+        "u8": np.arange(9, dtype=np.uint8).reshape(3, 3),
+        "f16": np.linspace(0, 1, 6, dtype=np.float16),
+        "f32": np.float32(3.5) * np.ones((), np.float32),  # rank 0
+        "f64": np.linspace(0, 1, 11),
+        "empty": np.zeros((0, 4), np.float32),
+        "strided": np.arange(20, dtype=np.float32).reshape(4, 5)[:, ::2],  # not contiguous
+        "big": np.random.default_rng(0).standard_normal((300, 300)).astype(np.float32),  # shared memory
+    }
+    before = open_fds()
+    wire.send_frame(a, "run", request_id="req-1", stage_id=2, epoch=3, generation=4, instance="abc",
+                    body={"k": [1, "x"]}, tensors=tensors, max_payload_bytes=CAP)
+    frame, arrays = wire.recv_message(b, max_payload_bytes=CAP)
+    assert (frame.type, frame.request_id, frame.stage_id, frame.epoch, frame.generation, frame.instance) == ("run", "req-1", 2, 3, 4, "abc")
+    assert frame.body == {"k": [1, "x"]}
+    assert frame.features_required == (wire.FEATURE_SHM_FD,)
+    assert [d.fd is not None for d in frame.tensors] == [name == "big" for name in tensors]
+    assert list(arrays) == list(tensors)
+    for name, expected in tensors.items():
+        assert arrays[name].dtype == expected.dtype and arrays[name].shape == expected.shape, name
+        np.testing.assert_array_equal(arrays[name], expected)
+        assert arrays[name].ctypes.data % wire.TENSOR_ALIGNMENT == 0 or arrays[name].nbytes == 0, name
+    del arrays
+    assert open_fds() == before  # the sender's and the receiver's descriptors are all closed
+
+
+def test_bfloat16_travels_as_raw_bits(pair):
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    a, b = pair
+    values = np.array([1.0, -2.5, 3.0], dtype=ml_dtypes.bfloat16)
+    wire.send_frame(a, "run", tensors={"h": values}, max_payload_bytes=CAP)
+    frame, arrays = wire.recv_message(b, max_payload_bytes=CAP)
+    assert frame.tensors[0].dtype == "bfloat16"
+    assert arrays["h"].dtype == np.uint16
+    np.testing.assert_array_equal(arrays["h"].view(ml_dtypes.bfloat16), values)
+
+
+def test_encoder_refuses_what_the_wire_does_not_carry(pair):
+    a, _ = pair
+    with pytest.raises(wire.UnknownDtype) as info:
+        wire.send_frame(a, "run", tensors={"u": np.zeros(2, np.uint16)}, max_payload_bytes=CAP)
+    assert info.value.code == "unknown_dtype"
+    with pytest.raises(wire.PayloadTooLarge):
+        wire.send_frame(a, "run", tensors={"x": np.zeros(CAP, np.uint8), "y": np.zeros(1, np.uint8)}, max_payload_bytes=CAP)
+    with pytest.raises(wire.MalformedHeader):
+        wire.send_frame(a, "bogus", max_payload_bytes=CAP)
+
+
+MALFORMED = [
+    # (case, header (or raw header bytes), payload length, expected code)
+    ("header length over the cap", {"header_len": wire.MAX_HEADER_BYTES + 1}, 0, "header_too_large"),
+    ("zero header length", {"header_len": 0}, 0, "header_too_large"),
+    ("payload over the cap", header(), CAP + 1, "payload_too_large"),
+    ("bad magic", {"magic": b"HTTP"}, 0, "bad_magic"),
+    ("future version", {"version": 2}, 0, "unsupported_version"),
+    ("header version differs", header(v=7), 0, "unsupported_version"),
+    ("not JSON", b"{not json", 0, "malformed_header"),
+    ("NaN", b'{"v": NaN}', 0, "malformed_header"),
+    ("duplicate key", b'{"v": 1, "v": 1}', 0, "malformed_header"),
+    ("not an object", b"[1, 2]", 0, "malformed_header"),
+    ("field missing", {k: v for k, v in header().items() if k != "epoch"}, 0, "malformed_header"),
+    ("unknown field", header(extra=1), 0, "malformed_header"),
+    ("bool epoch", header(epoch=True), 0, "malformed_header"),
+    ("negative epoch", header(epoch=-1), 0, "malformed_header"),
+    ("unknown type", header(type="exec"), 0, "malformed_header"),
+    ("unknown required feature", header(features_required=["zstd"]), 0, "unknown_required_feature"),
+    ("unknown dtype", header(tensors=[{**f32("x", [2]), "dtype": "complex64"}]), 64, "unknown_dtype"),
+    ("uint16 is not on the wire", header(tensors=[{**f32("x", [2]), "dtype": "uint16", "nbytes": 4}]), 64, "unknown_dtype"),
+    ("nbytes disagrees with shape", header(tensors=[{**f32("x", [2, 2]), "nbytes": 12}]), 64, "byte_length_mismatch"),
+    ("duplicate tensor name", header(tensors=[f32("x", [2]), f32("x", [2], offset=64)]), 128, "duplicate_tensor_name"),
+    ("negative dim", header(tensors=[{**f32("x", [2]), "shape": [-2, 2], "nbytes": 16}]), 64, "bad_shape"),
+    ("huge dim", header(tensors=[{**f32("x", [2]), "shape": [2**40], "nbytes": 2**42}]), 64, "bad_shape"),
+    ("huge product", header(tensors=[{**f32("x", [2]), "shape": [2**30, 2**30], "nbytes": 2**62}]), 64, "payload_too_large"),
+    ("rank over the cap", header(tensors=[{**f32("x", [2]), "shape": [1] * 9, "nbytes": 4}]), 64, "bad_shape"),
+    ("float dim", header(tensors=[{**f32("x", [2]), "shape": [2.0]}]), 64, "bad_shape"),
+    ("offset past the payload", header(tensors=[f32("x", [2], offset=64)]), 64, "bad_extent"),
+    ("unaligned offset", header(tensors=[f32("x", [2], offset=8)]), 128, "bad_extent"),
+    ("overlapping tensors", header(tensors=[f32("x", [20]), f32("y", [2], offset=64)]), 192, "bad_extent"),
+    ("payload longer than the tensors", header(tensors=[f32("x", [2])]), 128, "byte_length_mismatch"),
+    ("fd reference without fds", header(tensors=[{**{k: v for k, v in f32("x", [2]).items() if k != "offset"}, "fd": 0}]), 0, "bad_shm_reference"),
+    ("offset and fd", header(tensors=[{**f32("x", [2]), "fd": 0}]), 64, "malformed_header"),
+    ("too many tensors", header(tensors=[f32(f"x{i}", [1], offset=64 * i) for i in range(wire.MAX_TENSORS + 1)]), 64 * (wire.MAX_TENSORS + 1), "too_many_tensors"),
+]
+
+
+@pytest.mark.parametrize("case,head,payload_len,code", MALFORMED, ids=[m[0] for m in MALFORMED])
+def test_malformed_frames_are_refused_before_the_payload(pair, monkeypatch, case, head, payload_len, code):
+    """The decoder raises having read only prefix + header: the payload bytes stay on the stream
+    (and no payload buffer was allocated: read_payload is never reached)."""
+    a, b = pair
+    prefix_args = {}
+    if isinstance(head, dict) and set(head) <= {"header_len", "magic", "version"}:
+        prefix_args, head = head, header()
+    data = raw_frame(head, payload_len, **prefix_args)
+    payload = bytes(range(256)) * (min(payload_len, 4096) // 256 + 1)
+    payload = payload[:min(payload_len, 4096)]
+    a.sendall(data + payload)
+    monkeypatch.setattr(wire, "read_payload", lambda *args: pytest.fail("payload read for a refused frame"))
+    with pytest.raises(wire.WireError) as info:
+        wire.read_frame(b, max_payload_bytes=CAP)
+    assert info.value.code == code, str(info.value)
+    assert type(info.value) is wire.WIRE_ERRORS[code]
+    unread = b.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT) if payload else b""
+    assert unread.endswith(payload)  # not one payload byte was consumed
+    if info.value.pending_payload_bytes is not None:  # the header was read whole: only the payload is left
+        assert info.value.pending_payload_bytes == payload_len and unread == payload
+
+
+def test_a_refused_frame_with_sound_lengths_leaves_the_stream_in_sync(pair):
+    a, b = pair
+    bad = header(tensors=[{**f32("x", [2, 2]), "nbytes": 12}])
+    a.sendall(raw_frame(bad, 64) + bytes(64))
+    wire.send_frame(a, "stats", request_id="next", max_payload_bytes=CAP)
+    with pytest.raises(wire.ByteLengthMismatch) as info:
+        wire.read_frame(b, max_payload_bytes=CAP)
+    wire.discard_payload(b, info.value.pending_payload_bytes)
+    frame, _ = wire.recv_message(b, max_payload_bytes=CAP)
+    assert (frame.type, frame.request_id) == ("stats", "next")
+
+
+def test_a_refused_prefix_says_the_stream_is_lost(pair):
+    a, b = pair
+    a.sendall(raw_frame(header(), 0, magic=b"XXXX"))
+    with pytest.raises(wire.BadMagic) as info:
+        wire.read_frame(b, max_payload_bytes=CAP)
+    assert info.value.pending_payload_bytes is None
+
+
+def test_truncated_payload_and_clean_close(pair):
+    a, b = pair
+    a.sendall(raw_frame(header(tensors=[f32("x", [16])]), 64) + bytes(10))
+    a.shutdown(socket.SHUT_WR)
+    frame = wire.read_frame(b, max_payload_bytes=CAP)
+    with pytest.raises(wire.TruncatedFrame) as info:
+        wire.read_payload(b, frame)
+    assert info.value.code == "truncated_frame"
+    with pytest.raises(wire.PeerClosed):
+        wire.read_frame(b, max_payload_bytes=CAP)
+
+
+def test_truncated_prefix_and_header(pair):
+    a, b = pair
+    a.sendall(raw_frame(header(), 0)[: wire.PREFIX_BYTES + 5])
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(wire.TruncatedFrame):
+        wire.read_frame(b, max_payload_bytes=CAP)
+
+
+def test_shared_memory_of_the_wrong_size_is_refused_and_closed(pair):
+    a, b = pair
+    before = open_fds()
+    fd = os.memfd_create("t")
+    os.ftruncate(fd, 100)
+    desc = {"name": "x", "dtype": "float32", "shape": [16], "nbytes": 64, "fd": 0}
+    data = raw_frame(header(tensors=[desc], features_required=["shm_fd"]), 0)
+    a.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+    os.close(fd)
+    with pytest.raises(wire.ByteLengthMismatch):
+        wire.read_frame(b, max_payload_bytes=CAP)
+    assert open_fds() == before  # the received descriptor was closed too
+
+
+def test_unreferenced_descriptors_are_refused(pair):
+    a, b = pair
+    fd = os.memfd_create("t")
+    a.sendmsg([raw_frame(header(), 0)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("i", fd))])
+    os.close(fd)
+    with pytest.raises(wire.BadShmReference):
+        wire.read_frame(b, max_payload_bytes=CAP)
+
+
+def test_error_codes_are_stable():
+    assert sorted(wire.WIRE_ERRORS) == sorted([
+        "bad_magic", "unsupported_version", "header_too_large", "payload_too_large", "malformed_header",
+        "unknown_required_feature", "unknown_dtype", "bad_shape", "byte_length_mismatch", "bad_extent",
+        "bad_shm_reference", "duplicate_tensor_name", "too_many_tensors", "truncated_frame", "stale_epoch",
+        "stale_generation", "stale_instance",
+    ])
+    for code, cls in wire.WIRE_ERRORS.items():
+        assert code in wire.__doc__, code
+        assert issubclass(cls, wire.WireError)

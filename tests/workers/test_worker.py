@@ -1,0 +1,253 @@
+"""A real worker process behind WorkerClient: load, warmup, placement, calls, refusals, death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from omnigraph.workers import wire
+from omnigraph.workers.client import WorkerClient
+from omnigraph.workers.errors import LoadRefused, PlacementRefused, RemoteError, WorkerBusy, WorkerDied, WorkerTimeout
+from omnigraph.workers.route import WorkerRoute
+
+from .conftest import affine_inputs
+
+
+def cpu_ticks(pid: int) -> int:
+    with open(f"/proc/{pid}/stat", "rb") as stat:
+        fields = stat.read().rsplit(b")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def wait_until_computing(pid: int, baseline: int, ticks: int = 10, timeout: float = 30.0) -> None:
+    """Block until the worker has burnt ``ticks`` CPU ticks since ``baseline``: a call is in flight."""
+    deadline = time.monotonic() + timeout
+    while cpu_ticks(pid) - baseline < ticks:
+        assert time.monotonic() < deadline, "the worker never started computing"
+        time.sleep(0.01)
+
+
+def test_hello_names_the_process_and_its_software(start_worker, cpu_route):
+    client = start_worker()
+    hello = client.hello
+    assert hello.pid == client.pid and hello.interpreter == sys.executable
+    assert hello.onnxruntime_version == ort.__version__ and hello.numpy_version == np.__version__
+    assert "CPUExecutionProvider" in hello.available_providers
+    assert hello.wire_version == wire.WIRE_VERSION and "shm_fd" in hello.features
+    assert len(hello.instance) == 32 and hello.start_time_ticks > 0
+    assert abs(hello.start_time_unix - time.time()) < 120
+    assert client.generation == 1
+
+
+def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle):
+    client = start_worker()
+    report = client.load(affine_bundle.manifest_path)
+    assert report.manifest_sha256 == affine_bundle.manifest_sha256 and report.component == "test.graph"
+    assert report.session_providers == ("CPUExecutionProvider",)
+    assert report.placement.source == "ort_profile" and report.placement.fraction_on_target == 1.0
+    assert set(report.placement.node_providers) >= {"relu", "double", "shift", "sum_ids"}
+    assert [s.name for s in report.inputs] == ["x", "ids"] and [s.name for s in report.outputs] == ["y", "z"]
+
+    reference = ort.InferenceSession(str(affine_bundle.graph_path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    for call in range(1000):
+        n = int(rng.integers(1, 9))
+        inputs = affine_inputs(n, 16, seed=call)
+        if call % 100 == 0:  # 512 x 256 float32 = 512 KiB: the shared-memory path, both ways
+            inputs = affine_inputs(512, 256, seed=call)
+        got = client.run(inputs, request_id=f"r{call}", stage_id=0, epoch=0)
+        expected = dict(zip(["y", "z"], reference.run(None, inputs)))
+        assert got.keys() == expected.keys()
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name])
+    stats = client.stats()
+    assert stats["runs"] == 1000 and stats["failed_runs"] == 0 and stats["rss_bytes"] > 0
+    assert stats["manifest_sha256"] == affine_bundle.manifest_sha256
+
+
+def test_input_mismatches_are_refused_and_the_worker_survives(start_worker, affine_bundle):
+    client = start_worker()
+    client.load(affine_bundle.manifest_path)
+    good = affine_inputs(2, 4)
+    cases = [
+        ({"x": good["x"]}, "input_name_mismatch", "missing inputs ['ids']"),
+        ({**good, "extra": good["x"]}, "input_name_mismatch", "unexpected inputs ['extra']"),
+        ({**good, "x": good["x"].astype(np.float64)}, "input_dtype_mismatch", "'x' is float64"),
+        ({**good, "x": good["x"][0]}, "input_rank_mismatch", "'x' has rank 1"),
+        ({**good, "ids": np.zeros((2, 4), np.int64)}, "input_shape_mismatch", "'ids' dim 1 is 4, the graph declares 3"),
+    ]
+    for inputs, code, message in cases:
+        with pytest.raises(RemoteError) as info:
+            client.run(inputs, request_id="bad", stage_id=0, epoch=0)
+        assert info.value.code == code and message in info.value.message
+    assert client.run(good, request_id="ok", stage_id=0, epoch=0)["y"].shape == (2, 4)
+    stats = client.stats()
+    assert (stats["runs"], stats["refused_runs"], stats["failed_runs"]) == (6, 5, 0)  # refused before ORT
+
+
+def test_run_before_load_and_a_tampered_bundle(start_worker, affine_bundle):
+    client = start_worker()
+    with pytest.raises(RemoteError) as info:
+        client.run(affine_inputs(1, 1), request_id="r", stage_id=0, epoch=0)
+    assert info.value.code == "not_loaded"
+    graph = Path(affine_bundle.graph_path)
+    graph.write_bytes(graph.read_bytes() + b"\0")
+    with pytest.raises(LoadRefused) as refused:
+        client.load(affine_bundle.manifest_path)
+    assert refused.value.code == "bundle_invalid" and "sha256" in refused.value.message
+
+
+def test_stale_epoch_is_refused_by_client_and_worker(start_worker, affine_bundle):
+    client = start_worker()
+    client.load(affine_bundle.manifest_path)
+    inputs = affine_inputs(1, 4)
+    client.run(inputs, request_id="a", stage_id=0, epoch=5)
+    with pytest.raises(wire.StaleEpoch):  # the worker has seen epoch 5
+        client.run(inputs, request_id="b", stage_id=0, epoch=4)
+    client.fence(9)
+    with pytest.raises(wire.StaleEpoch, match="below the fenced epoch 9"):  # refused before sending
+        client.run(inputs, request_id="c", stage_id=0, epoch=8)
+    assert client.run(inputs, request_id="d", stage_id=0, epoch=9)["y"].shape == (1, 4)
+    assert client.stats()["max_epoch"] == 9
+
+
+def test_fence_discards_the_reply_of_an_older_call(start_worker, slow_bundle):
+    client = start_worker()
+    client.load(slow_bundle.manifest_path)
+    outcome: dict[str, BaseException] = {}
+
+    def call() -> None:
+        try:
+            client.run({"x": np.ones((1024, 1024), np.float32)}, request_id="old", stage_id=0, epoch=1)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=call)
+    baseline = cpu_ticks(client.pid)
+    thread.start()
+    wait_until_computing(client.pid, baseline)
+    client.fence(2)
+    thread.join(60)
+    assert isinstance(outcome.get("error"), wire.StaleEpoch)
+    assert "discarded" in str(outcome["error"])
+
+
+def test_stale_generation_and_instance_are_refused(start_worker, affine_bundle):
+    client = start_worker(generation=3)
+    client.load(affine_bundle.manifest_path)
+    inputs = affine_inputs(1, 4)
+    for field, value, error in [("generation", 2, wire.StaleGeneration), ("instance", "0" * 32, wire.StaleInstance)]:
+        with client._send_lock:  # a message as a previous backend would send it
+            wire.send_frame(client._sock, "run", request_id="stale", epoch=0, tensors=inputs,
+                            max_payload_bytes=client.route.max_io_bytes,
+                            **{"generation": client.generation, "instance": client.instance, field: value})
+        frame, _ = wire.recv_message(client._sock, max_payload_bytes=client.route.max_io_bytes)
+        assert frame.type == "error" and frame.body["code"] == error.code
+        assert frame.request_id == "stale"
+    assert client.run(inputs, request_id="fresh", stage_id=0, epoch=0)["y"].shape == (1, 4)
+    assert client.stats()["refused_frames"] == 2
+
+
+def test_a_worker_killed_mid_call_raises_worker_died(start_worker, slow_bundle):
+    client = start_worker()
+    client.load(slow_bundle.manifest_path)
+    baseline = cpu_ticks(client.pid)
+
+    def kill_once_computing() -> None:
+        wait_until_computing(client.pid, baseline)
+        os.kill(client.pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_computing)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerDied) as info:
+        client.run({"x": np.ones((4096, 1024), np.float32)}, request_id="slow", stage_id=0, epoch=0)
+    killer.join()
+    assert info.value.exit_status == -signal.SIGKILL
+    assert time.monotonic() - started < 10
+    assert client.wait_exit(1.0)
+    with pytest.raises(WorkerDied):
+        client.run({"x": np.ones((1, 1024), np.float32)}, request_id="after", stage_id=0, epoch=0)
+
+
+def test_a_timed_out_call_retires_the_worker(start_worker, slow_bundle):
+    client = start_worker()
+    client.load(slow_bundle.manifest_path)
+    with pytest.raises(WorkerTimeout, match="retired"):
+        client.run({"x": np.ones((4096, 1024), np.float32)}, request_id="slow", stage_id=0, epoch=0, timeout=0.3)
+    assert client.wait_exit(1.0) and client.returncode == -signal.SIGKILL
+
+
+def test_one_call_in_flight(start_worker, slow_bundle):
+    client = start_worker()
+    client.load(slow_bundle.manifest_path)
+    thread = threading.Thread(target=lambda: client.run({"x": np.ones((1024, 1024), np.float32)}, request_id="a", stage_id=0, epoch=0))
+    baseline = cpu_ticks(client.pid)
+    thread.start()
+    wait_until_computing(client.pid, baseline)
+    with pytest.raises(WorkerBusy):
+        client.run({"x": np.ones((1, 1024), np.float32)}, request_id="b", stage_id=0, epoch=0)
+    thread.join(60)
+    assert client.run({"x": np.ones((1, 1024), np.float32)}, request_id="c", stage_id=0, epoch=0)["y"].shape == (1, 1024)
+
+
+def test_cuda_requested_on_a_cpu_machine_is_refused_with_the_nodes_named(start_worker, affine_bundle, cpu_route):
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this machine has CUDA: every node would land on it")
+    strict = WorkerRoute(name="cuda-only", interpreter=sys.executable, ep="cuda", allowed_providers=("CUDAExecutionProvider",))
+    client = start_worker(strict)
+    with pytest.raises(PlacementRefused) as info:
+        client.load(affine_bundle.manifest_path)
+    report = info.value.report
+    assert report.fraction_on_target == 0.0
+    assert set(report.off_target_nodes()) >= {"relu", "double", "shift", "sum_ids"}
+    assert "relu (Relu on CPUExecutionProvider)" in info.value.message
+    # the worker stays usable after a refused load
+    assert client.stats()["manifest_sha256"] is None
+
+    lenient = WorkerRoute(name="cuda-or-cpu", interpreter=sys.executable, ep="cuda",
+                          allowed_providers=("CUDAExecutionProvider", "CPUExecutionProvider"), min_fraction_on_target=0.0)
+    client = start_worker(lenient)
+    loaded = client.load(affine_bundle.manifest_path)
+    assert loaded.placement.nodes_by_provider == {"CPUExecutionProvider": len(loaded.placement.node_providers)}
+    assert loaded.placement.fraction_on_target == 0.0
+    assert any("CUDAExecutionProvider" in note for note in loaded.notes)
+
+
+def test_close_leaves_nothing_behind(cpu_route, affine_bundle):
+    client = WorkerClient.start(cpu_route, generation=1)
+    private_dir = client._private_dir
+    assert not (private_dir / "worker.sock").exists()  # removed once the worker connected
+    client.load(affine_bundle.manifest_path)
+    assert client.close() == 0
+    assert client.close() == 0  # idempotent
+    assert client.wait_exit(0.1)
+    assert not private_dir.exists()
+    assert not Path(f"/proc/{client.pid}").exists() or _is_other_process(client)
+
+
+def _is_other_process(client: WorkerClient) -> bool:
+    from omnigraph.workers.procfs import process_start_ticks
+
+    return process_start_ticks(client.pid) != client.hello.start_time_ticks
+
+
+def test_a_bad_interpreter_fails_to_start(tmp_path):
+    route = WorkerRoute(name="missing", interpreter=str(tmp_path / "no-python"))
+    from omnigraph.workers.errors import WorkerStartFailed
+
+    with pytest.raises(WorkerStartFailed, match="not an executable"):
+        WorkerClient.start(route, generation=0)
+    broken = tmp_path / "broken-python"
+    broken.write_text("#!/bin/sh\necho no onnxruntime here >&2\nexit 7\n")
+    broken.chmod(0o755)
+    with pytest.raises(WorkerStartFailed, match="(?s)status 7.*no onnxruntime here"):
+        WorkerClient.start(WorkerRoute(name="broken", interpreter=str(broken)), generation=0, startup_timeout=10)
