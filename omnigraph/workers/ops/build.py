@@ -37,7 +37,8 @@ _CUDA_SOURCES = ("kernels_cuda.cu",)
 _HEADERS = ("kernels.h",)
 _PORTABLE_PTX = "80"
 _CXX_FLAGS = ("-std=c++17", "-O2", "-fPIC", "-fvisibility=hidden")
-_NVCC_FLAGS = ("-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden", "-DOMNIGRAPH_OPS_WITH_CUDA")
+_CUDA_MACRO = "-DOMNIGRAPH_OPS_WITH_CUDA"
+_NVCC_FLAGS = ("-std=c++17", "-O3", "-Xcompiler", "-fPIC,-fvisibility=hidden", _CUDA_MACRO)
 
 
 class OpsBuildError(RuntimeError):
@@ -89,20 +90,32 @@ def _check_arch(arch: str) -> None:
         raise OpsBuildError(f"arch must be a compute capability of 80 or above such as 90a, got {arch!r}")
 
 
-def _commands(compiler: Path, include: Path, arch: str | None, build_dir: Path, csrc: Path = _CSRC) -> list[list[str]]:
-    """The compile and link commands; `arch` None means the CPU-only build."""
+def _commands(
+    compilers: tuple[Path, Path | None], include: Path, arch: str | None, build_dir: Path, csrc: Path = _CSRC
+) -> list[list[str]]:
+    """The compile and link commands for (C++ compiler, nvcc); `arch` None means the CPU-only build.
+
+    Host sources always go through the C++ compiler, so the only device code in the library is the
+    kernels' own (sm_<arch> and compute_80 PTX); nvcc compiles the .cu file and links.
+    """
+    cxx, nvcc = compilers
     library = str(build_dir / LIBRARY_NAME)
     if arch is None:
         sources = [str(csrc / name) for name in _CPU_SOURCES]
-        return [[str(compiler), *_CXX_FLAGS, "-shared", f"-I{include}", *sources, "-o", library]]
-    gencode = [f"-gencode=arch=compute_{arch},code=sm_{arch}", f"-gencode=arch=compute_{_PORTABLE_PTX},code=compute_{_PORTABLE_PTX}"]
+        return [[str(cxx), *_CXX_FLAGS, "-shared", f"-I{include}", *sources, "-o", library]]
+    assert nvcc is not None
+    gencode = [
+        f"-gencode=arch=compute_{arch},code=sm_{arch}",
+        f"-gencode=arch=compute_{_PORTABLE_PTX},code=compute_{_PORTABLE_PTX}",
+    ]
     commands, objects = [], []
-    for name in (*_CPU_SOURCES, *_CUDA_SOURCES):
-        obj = str(build_dir / (name + ".o"))
-        objects.append(obj)
-        device = gencode if name.endswith(".cu") else []
-        commands.append([str(compiler), *_NVCC_FLAGS, *device, f"-I{include}", "-c", str(csrc / name), "-o", obj])
-    commands.append([str(compiler), "-shared", "--cudart", "static", *objects, "-o", library])
+    for name in _CPU_SOURCES:
+        objects.append(str(build_dir / (name + ".o")))
+        commands.append([str(cxx), *_CXX_FLAGS, _CUDA_MACRO, f"-I{include}", "-c", str(csrc / name), "-o", objects[-1]])
+    for name in _CUDA_SOURCES:
+        objects.append(str(build_dir / (name + ".o")))
+        commands.append([str(nvcc), *_NVCC_FLAGS, *gencode, "-c", str(csrc / name), "-o", objects[-1]])
+    commands.append([str(nvcc), "-shared", "--cudart", "static", *objects, "-o", library])
     return commands
 
 
@@ -123,19 +136,19 @@ def _build_into_cache(arch: str | None) -> Path:
     """The cached folder holding the library and its manifest, building it on a miss."""
     cache = _cache_root()
     include = ort_include_dir(cache)
-    if arch is None:
-        compiler = _find_cxx()
-    else:
+    cxx = _find_cxx()
+    nvcc = None
+    if arch is not None:
         nvcc = find_nvcc()
         if nvcc is None:
             raise OpsBuildError("nvcc not found (set OMNIGRAPH_NVCC or build with cuda=False)")
-        compiler = nvcc
+    compilers = (cxx, nvcc)
     sources = _source_hashes(cuda=arch is not None)
     headers_sha256 = sha256_file(include / "onnxruntime_c_api.h")
-    compiler_version = _version(compiler)
-    flags = _commands(compiler, Path("ORT_INCLUDE"), arch, Path("BUILD"), Path("CSRC"))  # location-free
+    versions = {str(tool): _version(tool) for tool in compilers if tool is not None}
+    flags = _commands(compilers, Path("ORT_INCLUDE"), arch, Path("BUILD"), Path("CSRC"))  # location-free
     key_material = json.dumps(
-        {"sources": sources, "ort_c_api_h": headers_sha256, "compiler": compiler_version, "commands": flags},
+        {"sources": sources, "ort_c_api_h": headers_sha256, "compilers": versions, "commands": flags},
         sort_keys=True,
     )
     target = cache / hashlib.sha256(key_material.encode()).hexdigest()[:32]
@@ -145,7 +158,7 @@ def _build_into_cache(arch: str | None) -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".build-", dir=cache))
     try:
-        commands = _commands(compiler, include, arch, staging)
+        commands = _commands(compilers, include, arch, staging)
         _compile(commands)
         library = staging / LIBRARY_NAME
         info = library_info(library)
@@ -164,7 +177,7 @@ def _build_into_cache(arch: str | None) -> Path:
             "backend": "cpu" if arch is None else "cuda",
             "architectures": [] if arch is None else [f"sm_{arch}", f"compute_{_PORTABLE_PTX}"],
             "cuda_runtime": None if arch is None else "static",
-            "compiler": {"path": str(compiler), "version": compiler_version},
+            "compilers": versions,
             "commands": flags,
             "sources": sources,
             "ort_headers": {"onnxruntime_c_api.h": headers_sha256},
