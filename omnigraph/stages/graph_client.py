@@ -80,7 +80,14 @@ class GraphStageClient:
 
     @property
     def serving(self) -> bool:
-        return self.retired_reason is None
+        """False from the moment the replica is interrupted or retired: it takes no more work."""
+        return self.retired_reason is None and self._interrupt_reason is None
+
+    @property
+    def state(self) -> str:
+        if self.retired_reason is not None:
+            return "retired"
+        return "serving" if self._interrupt_reason is None else "retiring"
 
     def start_serving(self) -> None:
         self._thread.start()
@@ -109,7 +116,8 @@ class GraphStageClient:
             "replica": self.replica,
             "generation": self.client.generation,
             "pid": self.client.pid,
-            "state": "serving" if self.serving else "retired",
+            "state": self.state,
+            "in_flight": current.request_id if (current := self._current) is not None else None,
             "retired_reason": self.retired_reason,
             "exit_verified": self.exit_verified,
             "calls": self.calls,

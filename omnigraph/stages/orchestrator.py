@@ -45,6 +45,7 @@ class RequestState:
         self.prepared = prepared
         self.deadline = deadline
         self.future: Future[Any] = Future()
+        self.future.set_running_or_notify_cancel()  # only the orchestrator ends a request (abort, not cancel)
         self.stage_durations: dict[int, float] = {}
         self.finished = False
         self._outputs: list[Mapping[str, np.ndarray] | None] = [None] * len(prepared.work)

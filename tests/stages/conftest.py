@@ -1,0 +1,126 @@
+"""Fixtures for engine tests: tiny ONNX bundles built with onnx.helper, and plans over them."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from omnigraph.bundles import pack_bundle
+from omnigraph.pipelines.deploy import GRAPH_BACKEND, validate_deploy_config
+
+
+def _save_bundle(folder: Path, graph: onnx.GraphProto, example: dict[str, np.ndarray]) -> Path:
+    folder.mkdir(parents=True)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), folder / "graph.onnx")
+    np.savez(folder / "inputs.npz", **example)
+    pack_bundle(folder, component=f"test.{folder.name}", example_inputs_file="inputs.npz")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory) -> dict[str, Path]:
+    """Bundles by name:
+
+    affine: y = 2x + 1 (x float32 [b, 4]); rename: y -> z = y - 1 (input named "y");
+    slow: x [n, n] multiplied by itself 200 times (a call that runs for seconds at n = 1024);
+    bad_warmup: affine with int64 example inputs, so the worker's warmup fails.
+    """
+    root = tmp_path_factory.mktemp("bundles")
+    two, one = numpy_helper.from_array(np.float32(2), "two"), numpy_helper.from_array(np.float32(1), "one")
+    affine = helper.make_graph(
+        [helper.make_node("Mul", ["x", "two"], ["x2"]), helper.make_node("Add", ["x2", "one"], ["y"])],
+        "affine", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])], initializer=[two, one],
+    )
+    rename = helper.make_graph(
+        [helper.make_node("Sub", ["y", "one"], ["z"])],
+        "rename", [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, ["b", 4])], initializer=[one],
+    )
+    steps = [helper.make_node("MatMul", ["x" if i == 0 else f"h{i}", "x"], [f"h{i + 1}"]) for i in range(200)]
+    slow = helper.make_graph(
+        steps, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "n"])],
+        [helper.make_tensor_value_info("h200", TensorProto.FLOAT, ["n", "n"])],
+    )
+    x = np.ones((1, 4), np.float32)
+    return {
+        "affine": _save_bundle(root / "affine", affine, {"x": x}),
+        "rename": _save_bundle(root / "rename", rename, {"y": x}),
+        "slow": _save_bundle(root / "slow", slow, {"x": np.zeros((2, 2), np.float32)}),
+        "bad_warmup": _save_bundle(root / "bad_warmup", affine, {"x": x.astype(np.int64)}),
+    }
+
+
+_plans = iter(range(10**6))
+
+
+def chain_plan(bundles: dict[str, Path], *names: str, replicas: int = 1, capacity: int | None = None,
+               demand: int | None = None, max_queued_requests: int = 32, **route: Any):
+    """A deploy plan chaining the named bundles, declared inline (one stage each, in order)."""
+    stages = []
+    for stage_id, name in enumerate(names):
+        stage: dict[str, Any] = {
+            "stage_id": stage_id,
+            "model_stage": name,
+            "num_replicas": replicas,
+            "backend": {"name": GRAPH_BACKEND, "manifest": str(bundles[name]),
+                        "route": {"name": "cpu", "interpreter": sys.executable, "intra_op_num_threads": 1, **route}},
+        }
+        if stage_id:
+            stage["input_sources"] = [stage_id - 1]
+        if stage_id == len(names) - 1:
+            stage.update(final_output=True, final_output_type="tensors")
+        if capacity is not None:
+            stage["resource_budget"] = {"capacities": {"machine:ram": capacity}, "demands": {"machine:ram": demand}}
+        stages.append(stage)
+    return validate_deploy_config({"pipeline": f"test-chain-{next(_plans)}", "max_queued_requests": max_queued_requests,
+                                   "stages": stages})
+
+
+def child_pids() -> set[int]:
+    """Live (non-zombie) child processes of this test process, read from /proc."""
+    children = set()
+    me = os.getpid()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if int(ppid) == me and state != "Z":
+            children.add(int(entry.name))
+    return children
+
+
+def process_alive(pid: int) -> bool:
+    """True while /proc holds a non-zombie process with this pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.fixture
+def make_plan(bundles):
+    """`make_plan("affine", "rename", replicas=2, ...)`: see chain_plan."""
+    return lambda *names, **options: chain_plan(bundles, *names, **options)
+
+
+@pytest.fixture
+def os_processes():
+    """The OS view used to check that no worker outlives the pipeline."""
+    class OsProcesses:
+        children = staticmethod(child_pids)
+        alive = staticmethod(process_alive)
+
+    return OsProcesses

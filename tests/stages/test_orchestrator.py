@@ -1,0 +1,192 @@
+"""The orchestrator through AsyncOmni/Omni: admission, handoff checks, cancellation, replicas, deadlines."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from omnigraph import AsyncOmni, Omni
+from omnigraph.pipelines.processor import RequestInvalid
+from omnigraph.stages.errors import (
+    DeadlineExceeded,
+    HandoffInvalid,
+    RequestCancelled,
+    ResourceUnavailable,
+    StageUnavailable,
+)
+
+BIG = {"tensors": {"x": np.zeros((1024, 1024), np.float32)}}   # a call that runs for many seconds
+MEDIUM = {"tensors": {"x": np.zeros((192, 192), np.float32)}}  # a call of a fraction of a second
+SMALL = {"tensors": {"x": np.ones((4, 4), np.float32)}}
+
+
+async def first(omni, prompt, request_id, **kwargs):
+    async for output in omni.generate(prompt, request_id=request_id, **kwargs):
+        return output
+
+
+async def until_in_flight(omni, request_id, stage=0):
+    """Wait (polling the execution plan) until a replica of `stage` is running `request_id`."""
+    for _ in range(2000):
+        if any(r["in_flight"] == request_id for r in omni.execution_plan["stages"][stage]["replicas"]):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{request_id} never reached a worker")
+
+
+def replicas(omni, stage=0):
+    return omni.execution_plan["stages"][stage]["replicas"]
+
+
+async def until_retired(omni, stage=0):
+    """Wait until a replica of `stage` has retired and the OS confirmed its worker's exit."""
+    for _ in range(2000):
+        if any(r["state"] == "retired" and r["exit_verified"] for r in replicas(omni, stage)):
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError("no replica retired")
+
+
+def test_twenty_concurrent_requests_through_two_stages(make_plan):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("affine", "rename", replicas=2)) as omni:
+            inputs = [np.full((i % 3 + 1, 4), i, np.float32) for i in range(20)]
+            outputs = await asyncio.gather(*(first(omni, {"tensors": {"x": x}}, f"r{i}") for i, x in enumerate(inputs)))
+            return inputs, outputs
+
+    inputs, outputs = asyncio.run(main())
+    for i, (x, output) in enumerate(zip(inputs, outputs)):
+        assert output.request_id == f"r{i}" and np.array_equal(output.custom_output["z"], 2 * x)
+
+
+def test_invalid_prompts_are_refused_before_admission(make_plan):
+    with Omni(deploy_config=make_plan("affine")) as omni:
+        with pytest.raises(RequestInvalid, match="'x' is int64, the bundle declares float32"):
+            omni.generate([SMALL, {"tensors": {"x": np.ones((1, 4), np.int64)}}])
+        with pytest.raises(RequestInvalid, match="shape \\[2, 5\\]"):
+            omni.generate({"tensors": {"x": np.ones((2, 5), np.float32)}})
+        with pytest.raises(RequestInvalid) as error:
+            omni.generate({"x": np.ones((2, 4), np.float32)})
+        assert error.value.field == "tensors"
+        assert omni.queue_depth() == 0
+
+
+def test_handoff_is_checked_against_the_next_bundle(make_plan):
+    # the slow stage's output "h200" is not the "y" input the rename bundle declares
+    with Omni(deploy_config=make_plan("slow", "rename")) as omni:
+        (output,) = omni.generate({"tensors": {"x": np.ones((2, 2), np.float32)}})
+    assert output.custom_output is None
+    assert output.error.startswith("HandoffInvalid: stage 1 input: inputs do not match the bundle: missing ['y'], unexpected ['h200']")
+
+
+def test_queue_full_is_refused_at_once(make_plan):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("slow", max_queued_requests=2)) as omni:
+            running = [asyncio.create_task(first(omni, BIG, "big")), asyncio.create_task(first(omni, SMALL, "queued"))]
+            await until_in_flight(omni, "big")
+            assert omni.queue_depth() == 2
+            with pytest.raises(ResourceUnavailable, match="queue full: 2 requests admitted"):
+                await first(omni, SMALL, "refused")
+            await omni.abort(["queued", "big"])
+            for task in running:
+                with pytest.raises(RequestCancelled):
+                    await task
+            assert omni.queue_depth() == 0
+
+    asyncio.run(main())
+
+
+def test_cancelling_an_in_flight_call_retires_the_worker(make_plan, os_processes):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("slow", capacity=1000, demand=300)) as omni:
+            task = asyncio.create_task(first(omni, BIG, "doomed"))
+            await until_in_flight(omni, "doomed")
+            (replica,) = replicas(omni)
+            await omni.abort("doomed")
+            with pytest.raises(RequestCancelled, match="doomed was aborted"):
+                await task
+            await until_retired(omni)  # the replica thread verifies the exit, then releases
+            (retired,) = replicas(omni)
+            assert retired["state"] == "retired" and "doomed cancelled during its call" in retired["retired_reason"]
+            assert not os_processes.alive(replica["pid"])
+            assert omni.ledger_snapshot()["reservations"] == []
+            assert "replica 0 retired" in omni.health()[0] and omni.failure().startswith("stage 0:")
+            with pytest.raises(StageUnavailable, match="stage 0 has no live replica .* recreate the pipeline"):
+                await first(omni, SMALL, "later")
+
+    asyncio.run(main())
+    assert os_processes.children() == set()
+
+
+def test_a_remaining_replica_keeps_serving(make_plan):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("slow", replicas=2)) as omni:
+            task = asyncio.create_task(first(omni, BIG, "doomed"))
+            await until_in_flight(omni, "doomed")
+            await omni.abort("doomed")
+            with pytest.raises(RequestCancelled):
+                await task
+            await until_retired(omni)
+            outputs = [await first(omni, SMALL, f"after-{i}") for i in range(3)]
+            states = sorted(r["state"] for r in replicas(omni))
+            return outputs, states, omni.health()
+
+    outputs, states, health = asyncio.run(main())
+    assert states == ["retired", "serving"] and health == {}
+    assert all(o.custom_output["h200"].shape == (4, 4) for o in outputs)
+
+
+def test_a_queued_request_leaves_without_dispatch(make_plan):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("slow")) as omni:
+            running = asyncio.create_task(first(omni, MEDIUM, "running"))
+            await until_in_flight(omni, "running")
+            queued = asyncio.create_task(first(omni, SMALL, "queued"))
+            await asyncio.sleep(0)  # let it be admitted
+            await omni.abort("queued")
+            with pytest.raises(RequestCancelled):
+                await queued
+            assert (await running).custom_output["h200"].shape == (192, 192)
+            (replica,) = replicas(omni)
+            return replica
+
+    replica = asyncio.run(main())
+    assert replica["state"] == "serving" and replica["calls"] == 1  # "queued" never reached the worker
+
+
+def test_deadline_passing_in_the_queue_fails_without_dispatch(make_plan):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("slow")) as omni:
+            running = asyncio.create_task(first(omni, MEDIUM, "running"))
+            await until_in_flight(omni, "running")
+            with pytest.raises(DeadlineExceeded, match="deadline passed while queued for stage 0"):
+                await first(omni, SMALL, "late", deadline_s=0.001)
+            await running
+            return replicas(omni)[0]
+
+    replica = asyncio.run(main())
+    assert replica["state"] == "serving" and replica["calls"] == 1
+
+
+def test_cancelling_the_consumer_aborts_the_request(make_plan):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("slow", replicas=2)) as omni:
+            task = asyncio.create_task(first(omni, BIG, "gone"))
+            await until_in_flight(omni, "gone")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await until_retired(omni)
+            return [r["state"] for r in replicas(omni)], omni.queue_depth()
+
+    states, depth = asyncio.run(main())
+    assert sorted(states) == ["retired", "serving"] and depth == 0
+
+
+def test_omni_batches_beyond_the_admission_bound(make_plan):
+    with Omni(deploy_config=make_plan("affine", max_queued_requests=2)) as omni:
+        inputs = [np.full((1, 4), i, np.float32) for i in range(7)]
+        outputs = omni.generate([{"tensors": {"x": x}} for x in inputs])
+    assert [o.error for o in outputs] == [None] * 7
+    assert all(np.array_equal(o.custom_output["y"], 2 * x + 1) for o, x in zip(outputs, inputs))

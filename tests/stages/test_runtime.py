@@ -1,0 +1,79 @@
+"""StageRuntime: the whole plan is reserved before anything loads, failures unwind, shutdown is clean."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from omnigraph import AsyncOmni, Omni
+from omnigraph.pipelines.deploy import resolve_pipeline
+from omnigraph.stages import runtime as runtime_module
+from omnigraph.stages.errors import ReservationRefused, StageStartupError
+from omnigraph.stages.runtime import StageRuntime
+
+
+def test_overcommit_is_refused_before_any_worker_starts(make_plan, os_processes, monkeypatch):
+    plan = make_plan("affine", "rename", capacity=1000, demand=600)
+
+    def no_start(*args, **kwargs):
+        raise AssertionError("a worker was started for a plan that does not fit")
+
+    monkeypatch.setattr(runtime_module.WorkerClient, "start", no_start)
+    runtime = StageRuntime(resolve_pipeline(plan), plan)
+    with pytest.raises(ReservationRefused) as refused:
+        runtime.start()
+    assert refused.value.constraint == "machine:ram" and refused.value.demand == 1200 and refused.value.free == 1000
+    assert "stage0/replica0 + stage1/replica0" in str(refused.value)
+    assert runtime.ledger.snapshot()["reservations"] == []
+    assert os_processes.children() == set()
+
+
+def test_a_stage_failing_warmup_unwinds_the_others(make_plan, os_processes):
+    plan = make_plan("affine", "bad_warmup", capacity=1000, demand=100)
+    runtime = StageRuntime(resolve_pipeline(plan), plan)
+    with pytest.raises(StageStartupError, match="stage 1 replica 0: load and warmup refused") as error:
+        runtime.start()
+    assert "warmup on the example inputs failed" in str(error.value)
+    assert runtime.ledger.snapshot()["reservations"] == []
+    assert runtime.ledger.snapshot()["constraints"]["machine:ram"]["free"] == 1000
+    assert os_processes.children() == set()
+
+
+def test_shutdown_leaves_no_reservation_and_no_process(make_plan, os_processes):
+    plan = make_plan("affine", "rename", replicas=2, capacity=1000, demand=100)
+    omni = Omni(deploy_config=plan)
+    (output,) = omni.generate([{"tensors": {"x": np.arange(8, dtype=np.float32).reshape(2, 4)}}])
+    assert np.array_equal(output.custom_output["z"], np.arange(8, dtype=np.float32).reshape(2, 4) * 2)
+    assert set(output.stage_durations) == {0, 1}
+    execution = omni.execution_plan
+    pids = [r["pid"] for s in execution["stages"] for r in s["replicas"]]
+    assert len(set(pids)) == 4 and os_processes.children() == set(pids)
+    assert [r["generation"] for s in execution["stages"] for r in s["replicas"]] == [1, 2, 3, 4]
+    assert execution["ledger"]["constraints"]["machine:ram"]["held"] == 400
+    first = execution["stages"][0]
+    assert first["manifest"]["component"] == "test.affine" and len(first["manifest"]["sha256"]) == 64
+    assert first["replicas"][0]["placement"]["target_provider"] == "CPUExecutionProvider"
+    assert first["replicas"][0]["route"]["intra_op_num_threads"] == 1
+    omni.shutdown()
+    assert not any(os_processes.alive(pid) for pid in pids)
+    assert os_processes.children() == set()
+    snapshot = omni.ledger_snapshot()
+    assert snapshot["reservations"] == []
+    assert snapshot["constraints"]["machine:ram"] == {"capacity": 1000, "held": 0, "quarantined": 0, "free": 1000}
+    omni.shutdown()  # idempotent
+
+
+def test_async_omni_context_manager_shuts_down(make_plan, os_processes):
+    x = np.ones((3, 4), np.float32)
+
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("affine")) as omni:
+            outputs = [o async for o in omni.generate({"tensors": {"x": x}}, request_id="one")]
+            assert omni.queue_depth() == 0 and omni.failure() is None and omni.audit() == {}
+            return outputs
+
+    outputs = asyncio.run(main())
+    assert len(outputs) == 1 and outputs[0].finished and outputs[0].request_id == "one"
+    assert outputs[0].final_output_type == "tensors" and outputs[0].stage_id == 0
+    assert np.array_equal(outputs[0].custom_output["y"], 2 * x + 1)
+    assert os_processes.children() == set()
