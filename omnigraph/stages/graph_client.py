@@ -134,15 +134,16 @@ class GraphStageClient:
         if self.retired_reason is not None:
             return
         self.retired_reason = reason
+        self.stage.replica_retired(self)
         if self.reservation is not None:
             self._ledger.quarantine(self.reservation)
         self.client.kill()
-        self.exit_verified = self.client.wait_exit(EXIT_VERIFY_TIMEOUT_S)
-        if self.exit_verified:
+        verified = self.client.wait_exit(EXIT_VERIFY_TIMEOUT_S)
+        if verified:
             if self.reservation is not None:
                 self._ledger.release_quarantined(self.reservation)
             self.client.close()
-        self.stage.replica_retired(self)
+        self.exit_verified = verified
 
     def close(self, timeout: float) -> None:
         """Stop the worker after shutdown; falls back to kill, releases the reservation once gone."""
