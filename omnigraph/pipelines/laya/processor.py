@@ -19,14 +19,17 @@ import numpy as np
 from omnigraph.pipelines.laya.decoding import Calibration, decode_answer
 from omnigraph.pipelines.laya.request import DecisionRequest, RequestLimits, parse_request
 from omnigraph.pipelines.laya.sequence import (
-    PROMPT_TEMPLATE, BatchLayout, LayaTokenizer, Row, build_row, collate, pack_batches,
+    OPTION_TOKEN_LIMIT, PROMPT_TEMPLATE, BatchLayout, LayaTokenizer, Row, build_row, collate, pack_batches,
 )
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid
 
 if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle
 
-__all__ = ["DEFAULT_MODEL_NAME", "WARMUP_REQUEST", "LayaContext", "LayaProcessor"]
+__all__ = ["COMPONENT", "DEFAULT_MODEL_NAME", "WARMUP_REQUEST", "LayaContext", "LayaProcessor"]
+
+#: The bundle component this processor feeds.
+COMPONENT = "laya.decision"
 
 #: The response's ``model`` when the request names none.
 DEFAULT_MODEL_NAME = "laya"
@@ -47,6 +50,31 @@ class LayaContext:
     input_tokens: int                      # tokens of every real row, padding excluded
 
 
+def _batch_layout(layout: Mapping[str, Any], tokenizer: LayaTokenizer, bundle: VerifiedBundle, *,
+                  max_rows: int, max_marker_slots: int) -> BatchLayout:
+    """The manifest's ``layout``, checked against the tokenizer and the rows this module builds."""
+    where = bundle.manifest_path
+    expected = {"rows": "pow2", "marker_bucket": "pow2", "option_layout": "sequential",
+                "option_tokens": OPTION_TOKEN_LIMIT, "cls_id": tokenizer.cls_id,
+                "sep_id": tokenizer.sep_id, "pad_id": tokenizer.pad_id, "mask_id": tokenizer.mask_id}
+    for key, value in expected.items():
+        if key in layout and layout[key] != value:
+            raise ValueError(f"{where}: layout {key} is {layout[key]!r}; this processor needs {value!r}")
+    try:
+        return BatchLayout(
+            max_len=layout.get("max_len", BatchLayout.max_len),
+            head_max_len=layout.get("head_max_len", BatchLayout.head_max_len),
+            pad_id=tokenizer.pad_id,
+            length_multiple=layout.get("length_multiple", BatchLayout.length_multiple),
+            length_multiple_above_256=layout.get("length_multiple_above_256",
+                                                 BatchLayout.length_multiple_above_256),
+            max_rows=max_rows,
+            max_marker_slots=max_marker_slots,
+        )
+    except ValueError as exc:
+        raise ValueError(f"{where}: layout: {exc}") from None
+
+
 class LayaProcessor:
     """Validates, tokenizes and batches Laya decisions, and decodes the graph's outputs."""
 
@@ -58,20 +86,14 @@ class LayaProcessor:
             raise ValueError(f"the Laya pipeline has one graph stage, so it takes one bundle; "
                              f"got stages {sorted(bundles)}")
         (self._bundle,) = bundles.values()
+        if self._bundle.manifest.component != COMPONENT:
+            raise ValueError(f"{self._bundle.manifest_path}: component "
+                             f"{self._bundle.manifest.component!r} is not a {COMPONENT} bundle")
         metadata = self._bundle.manifest.metadata
-        layout = metadata.layout or {}
         self._tokenizer = LayaTokenizer(self._bundle.file("tokenizer.json"),
                                         self._bundle.file("tokenizer_config.json"))
-        self._layout = BatchLayout(
-            max_len=layout.get("max_len", BatchLayout.max_len),
-            head_max_len=layout.get("head_max_len", BatchLayout.head_max_len),
-            pad_id=layout.get("pad_id", self._tokenizer.pad_id),
-            max_rows=max_rows,
-            max_marker_slots=max_marker_slots,
-        )
-        if self._layout.pad_id != self._tokenizer.pad_id:
-            raise ValueError(f"{self._bundle.manifest_path}: layout pad_id {self._layout.pad_id} "
-                             f"is not the tokenizer's pad token id {self._tokenizer.pad_id}")
+        self._layout = _batch_layout(metadata.layout or {}, self._tokenizer, self._bundle,
+                                     max_rows=max_rows, max_marker_slots=max_marker_slots)
         self._calibration = Calibration.from_metadata(metadata.calibration or {})
         self._limits = limits
         self._precision = metadata.precision

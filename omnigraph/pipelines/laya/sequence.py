@@ -175,18 +175,20 @@ def _next_power_of_two(n: int) -> int:
 class BatchLayout:
     """Token budgets and the padded shapes of a forward batch."""
 
-    max_len: int = 512              # tokens per row
-    head_max_len: int = 192         # tokens of the option block
+    max_len: int = 512                   # tokens per row
+    head_max_len: int = 192              # tokens of the option block
     pad_id: int = 0
-    max_rows: int = 16              # rows per forward batch (a power of two)
-    max_marker_slots: int = 2048    # padded rows x padded markers per forward batch
-    min_markers: int = 2            # the decision head ranks at least two slots
+    length_multiple: int = 16            # lengths round up to this ...
+    length_multiple_above_256: int = 64  # ... or to this above 256 tokens, at most max_len
+    max_rows: int = 16                   # rows per forward batch (a power of two)
+    max_marker_slots: int = 2048         # padded rows x padded markers per forward batch
+    min_markers: int = 2                 # the decision head ranks at least two slots
 
     def __post_init__(self) -> None:
-        for name in ("max_len", "head_max_len", "max_rows", "max_marker_slots", "min_markers"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"BatchLayout.{name} must be a positive integer, got {value!r}")
+        for name, value in vars(self).items():
+            minimum = 0 if name == "pad_id" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"BatchLayout.{name} must be an integer >= {minimum}, got {value!r}")
         if _next_power_of_two(self.max_rows) != self.max_rows:
             raise ValueError(f"BatchLayout.max_rows must be a power of two, got {self.max_rows}")
 
@@ -194,8 +196,8 @@ class BatchLayout:
         return _next_power_of_two(rows)
 
     def length_bucket(self, length: int) -> int:
-        step = 16 if length <= 256 else 64
-        return -(-length // step) * step
+        step = self.length_multiple if length <= 256 else self.length_multiple_above_256
+        return min(self.max_len, -(-length // step) * step)
 
     def markers_bucket(self, markers: int) -> int:
         return _next_power_of_two(max(markers, self.min_markers))
