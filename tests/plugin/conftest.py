@@ -139,3 +139,27 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def demo_deploy_config(tmp_path: Path) -> Callable[..., Path]:
+    """Write a deploy YAML serving the demo bundle on the CPU route, with `max_queued_requests`."""
+    from omnigraph.pipelines.laya.export import default_bundle
+
+    def write(max_queued_requests: int) -> Path:
+        path = tmp_path / f"deploy-q{max_queued_requests}.yaml"
+        path.write_text(
+            "pipeline: laya\n"
+            f"max_queued_requests: {max_queued_requests}\n"
+            "stages:\n"
+            "  - stage_id: 0\n"
+            "    backend:\n"
+            "      name: external.graph.v1\n"
+            f"      manifest: {default_bundle() / 'manifest.json'}\n"
+            f"      route: {{name: local-cpu, interpreter: {sys.executable}, ep: cpu}}\n"
+            "    resource_budget:\n"
+            "      capacities: {'machine:ram': 8589934592}\n"
+            "      demands: {'machine:ram': 1073741824}\n")
+        return path
+
+    return write

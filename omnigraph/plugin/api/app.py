@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnigraph.plugin.api import decision, openai_routes, ops
 from omnigraph.plugin.api.body import MAX_BODY_BYTES
-from omnigraph.plugin.api.errors import ApiError, api_error_handler
+from omnigraph.plugin.api.errors import ApiError, api_error_handler, unexpected_error_handler
 from omnigraph.plugin.api.metrics import ServerMetrics
 from omnigraph.plugin.api.service import DecisionService
 
@@ -76,6 +76,7 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
     app.state.max_body_bytes = max_body_bytes
     app.state.started_at = int(time.time())
     app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(Exception, unexpected_error_handler)
     app.include_router(decision.router)
     app.include_router(openai_routes.router)
     app.include_router(ops.router)

@@ -66,3 +66,8 @@ async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, ApiError)
     body = openai_error_body(error) if is_openai_path(request.url.path) else decision_error_body(error)
     return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+async def unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """A bug still answers in the route family's JSON shape (the traceback goes to the log)."""
+    return await api_error_handler(request, ApiError(500, "internal server error", code="internal_error"))

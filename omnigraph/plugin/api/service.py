@@ -22,7 +22,6 @@ from omnigraph.stages.errors import (
     PipelineClosed,
     RequestCancelled,
     ResourceUnavailable,
-    StageError,
     StageUnavailable,
 )
 
@@ -169,8 +168,14 @@ class DecisionService:
             raise ApiError(503, f"stage failed: {exc}", code="pipeline_failed") from None
         except RequestCancelled as exc:
             raise ApiError(503, str(exc), code="cancelled") from None
-        except StageError as exc:
-            raise ApiError(500, f"{type(exc).__name__}: {exc}", code="stage_error") from None
+        except ApiError:
+            raise
+        except Exception as exc:  # a worker or stage failure the engine did not classify
+            failure = self.health_failure()
+            if failure is not None:
+                raise ApiError(503, failure, code="pipeline_failed") from None
+            logger.exception("request %s failed", request_id)
+            raise ApiError(500, f"request failed: {type(exc).__name__}: {exc}", code="internal_error") from None
         finally:
             if not finished:
                 await self.engine.abort(request_id)
