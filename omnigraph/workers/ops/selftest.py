@@ -67,7 +67,7 @@ def _node_providers(profile_file: str) -> dict[str, str]:
     }
 
 
-def _check_case(
+def check_case(
     library: Path, model: onnx.ModelProto, feeds: dict[str, np.ndarray], expected: list[np.ndarray], dtype: str
 ) -> dict:
     """Runs `model` on the CUDA EP (no CPU fallback), compares with `expected`, checks placement,
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in ("bfloat16", "float16"):
         for case, model, feeds, expected in correctness_cases(rng, dtype):
             try:
-                result = _check_case(library, model, feeds, expected, dtype)
+                result = check_case(library, model, feeds, expected, dtype)
             except Exception as exc:  # a failing case is a result to report, not the end of the run
                 result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             failures += not result["ok"]
