@@ -97,7 +97,8 @@ MAX_RANK = 8
 MAX_DIM = 2**31 - 1
 # Why: names and ids are identifiers, not data.
 MAX_NAME_CHARS = 256
-# Why: SIMD kernels and numpy views want aligned data; 64 covers AVX-512 and cache lines.
+# Why: tensors start on cache lines within the payload; the receive buffer itself comes from
+# numpy's allocator (16-byte aligned), so every array view is aligned for its dtype.
 TENSOR_ALIGNMENT = 64
 # Why: below this the two socket copies cost less than memfd_create + mmap + page faults;
 # measured with benchmarks/wire.py (1 MiB tensors are faster through memory files).
@@ -262,6 +263,29 @@ class Frame:
     fds: tuple[int, ...]
 
 
+def _reject_constant(name: str) -> Any:
+    raise MalformedHeader(f"header holds the non-JSON number {name}")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise MalformedHeader(f"header repeats the key {key!r}")
+            seen.add(key)
+    return result
+
+
+# Built once: json.dumps / json.loads with options would build a new coder on every frame.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
+_ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * 4)
+_DESCRIPTOR_REQUIRED = frozenset({"name", "dtype", "shape", "nbytes"})
+_DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape", "nbytes", "offset", "fd"})
+
+
 def _align(n: int) -> int:
     return (n + TENSOR_ALIGNMENT - 1) // TENSOR_ALIGNMENT * TENSOR_ALIGNMENT
 
@@ -287,8 +311,11 @@ def wire_dtype_of(array: np.ndarray) -> str:
     raise UnknownDtype(f"dtype {array.dtype.str} ({array.dtype.name}) is not on the wire")
 
 
-def _as_bytes_view(array: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+def _as_bytes(array: np.ndarray) -> np.ndarray:
+    """The array's bytes, C-ordered: the array itself when it already is (no copy)."""
+    if not array.flags.c_contiguous:
+        array = np.ascontiguousarray(array)
+    return array.reshape(-1).view(np.uint8)
 
 
 def _shared_memory_file(data: memoryview) -> int:
@@ -355,13 +382,13 @@ def send_frame(
             desc: dict[str, Any] = {
                 "name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes
             }
-            view = _as_bytes_view(array)
+            data = _as_bytes(array)
             if array.nbytes >= shm_threshold_bytes and array.nbytes > 0:
                 desc["fd"] = len(fds)
-                fds.append(_shared_memory_file(view))
+                fds.append(_shared_memory_file(memoryview(data)))
             else:
                 desc["offset"] = offset
-                buffers.append(view)
+                buffers.append(data)
                 padding = _align(array.nbytes) - array.nbytes
                 if padding:
                     buffers.append(_PADDING[:padding])
@@ -379,7 +406,7 @@ def send_frame(
             "tensors": descriptors,
             "body": dict(body or {}),
         }
-        header_bytes = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
+        header_bytes = _ENCODER.encode(header).encode()
         if len(header_bytes) > MAX_HEADER_BYTES:
             raise HeaderTooLarge(f"header of {len(header_bytes)} bytes, at most {MAX_HEADER_BYTES}")
         prefix = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0)
@@ -391,10 +418,12 @@ def send_frame(
 
 def _sendmsg_all(sock: socket.socket, buffers: list[Any], fds: list[int]) -> None:
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, np.array(fds, np.int32).tobytes())] if fds else []
+    sent = sock.sendmsg(buffers, ancillary)
+    if sent == sum(len(b) for b in buffers):
+        return
     pending = [memoryview(b).cast("B") for b in buffers]
-    while pending:
-        sent = sock.sendmsg(pending, ancillary)
-        ancillary = []  # the descriptors travel once, with the first bytes
+    ancillary = []  # the descriptors travel once, with the first bytes
+    while True:
         while sent and pending:
             if sent >= len(pending[0]):
                 sent -= len(pending[0])
@@ -402,32 +431,33 @@ def _sendmsg_all(sock: socket.socket, buffers: list[Any], fds: list[int]) -> Non
             else:
                 pending[0] = pending[0][sent:]
                 sent = 0
+        if not pending:
+            return
+        sent = sock.sendmsg(pending)
+
 
 
 # ----------------------------------------------------------------------------------------------
 # Decoding
 
 
-def _recv_exact_into(sock: socket.socket, view: memoryview, *, frame_started: bool) -> None:
+def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from the stream (inside a frame: an early end is a TruncatedFrame)."""
     got = 0
     while got < len(view):
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:] if got else view)
         if n == 0:
-            if not frame_started and got == 0:
-                raise PeerClosed("peer closed the connection")
             raise TruncatedFrame(f"stream ended after {got} of {len(view)} bytes")
         got += n
-        frame_started = True
 
 
 def _recv_prefix(sock: socket.socket) -> tuple[bytes, list[int]]:
     """The prefix bytes and the descriptors that came with them (SCM_RIGHTS)."""
     data = b""
     fds: list[int] = []
-    ancillary_size = socket.CMSG_SPACE(MAX_FDS * 4)
     try:
         while len(data) < PREFIX_BYTES:
-            chunk, ancdata, flags, _ = sock.recvmsg(PREFIX_BYTES - len(data), ancillary_size)
+            chunk, ancdata, flags, _ = sock.recvmsg(PREFIX_BYTES - len(data), _ANCILLARY_BYTES)
             for level, kind, payload in ancdata:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
                     usable = len(payload) - len(payload) % 4
@@ -453,21 +483,6 @@ def _close_fds(fds: list[int] | tuple[int, ...]) -> None:
             pass
 
 
-def _reject_constant(name: str) -> Any:
-    raise MalformedHeader(f"header holds the non-JSON number {name}")
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        seen: set[str] = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise MalformedHeader(f"header repeats the key {key!r}")
-            seen.add(key)
-    return result
-
-
 def _int_field(header: Mapping[str, Any], key: str) -> int:
     value = header[key]
     if type(value) is not int or not 0 <= value <= MAX_INT:
@@ -489,11 +504,7 @@ def parse_header(
     magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack(prefix)
     pending = payload_len  # a fault found from here on leaves the stream in sync
     try:
-        header = json.loads(
-            bytes(header_bytes).decode("utf-8"),
-            parse_constant=_reject_constant,
-            object_pairs_hook=_no_duplicate_keys,
-        )
+        header = _DECODER.decode(header_bytes.decode("utf-8"))
     except MalformedHeader as exc:
         exc.pending_payload_bytes = pending
         raise
@@ -511,12 +522,9 @@ def _validate_header(
 ) -> Frame:
     if type(header) is not dict:
         raise MalformedHeader("header must be a JSON object")
-    missing = _HEADER_KEYS - header.keys()
-    if missing:
-        raise MalformedHeader(f"header lacks {sorted(missing)}")
-    unknown = header.keys() - _HEADER_KEYS
-    if unknown:
-        raise MalformedHeader(f"header has unknown fields {sorted(unknown)}")
+    if header.keys() != _HEADER_KEYS:
+        missing, unknown = sorted(_HEADER_KEYS - header.keys()), sorted(header.keys() - _HEADER_KEYS)
+        raise MalformedHeader(f"header fields missing {missing}, unknown {unknown}")
     if header["v"] != version:
         raise UnsupportedVersion(f"header version {header['v']!r} disagrees with prefix version {version}")
     msg_type = header["type"]
@@ -564,8 +572,7 @@ def _validate_descriptors(
         if type(desc) is not dict:
             raise MalformedHeader("a tensor descriptor must be a JSON object")
         keys = desc.keys()
-        if not {"name", "dtype", "shape", "nbytes"} <= keys or len(keys & {"offset", "fd"}) != 1 \
-                or not keys <= {"name", "dtype", "shape", "nbytes", "offset", "fd"}:
+        if len(keys) != 5 or not _DESCRIPTOR_REQUIRED <= keys or not keys <= _DESCRIPTOR_KEYS:
             raise MalformedHeader(
                 f"a tensor descriptor needs name, dtype, shape, nbytes and one of offset/fd; got {sorted(keys)}"
             )
@@ -621,11 +628,14 @@ def _validate_descriptors(
         result.append(TensorDescriptor(name, dtype, shape_t, nbytes, offset, fd))
     if len(fds_used) != fd_count:
         raise BadShmReference(f"{fd_count} descriptors came with the frame but {len(fds_used)} are referenced")
-    extents.sort()
-    for (_, end, first), (start, _, second) in zip(extents, extents[1:]):
-        if start < end:
-            raise BadExtent(f"tensors {first!r} and {second!r} overlap in the payload")
-    inline_total = sum(end - start for start, end, _ in extents)
+    inline_total = 0
+    if len(extents) > 1:
+        extents.sort()
+        for (_, end, first), (start, _, second) in zip(extents, extents[1:]):
+            if start < end:
+                raise BadExtent(f"tensors {first!r} and {second!r} overlap in the payload")
+    for start, end, _ in extents:
+        inline_total += end - start
     if inline_total != payload_len:
         raise ByteLengthMismatch(
             f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)"
@@ -651,7 +661,7 @@ def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
         if payload_len > max_payload_bytes:
             raise PayloadTooLarge(f"payload length {payload_len}, at most {max_payload_bytes}")
         header_bytes = bytearray(header_len)
-        _recv_exact_into(sock, memoryview(header_bytes), frame_started=True)
+        _recv_exact_into(sock, memoryview(header_bytes))
         frame = parse_header(prefix, header_bytes, max_payload_bytes=max_payload_bytes, fd_count=len(fds))
         for desc in frame.tensors:
             if desc.fd is not None:
@@ -670,20 +680,19 @@ def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
 
 def read_payload(sock: socket.socket, frame: Frame) -> dict[str, np.ndarray]:
     """Receive the payload of a validated frame; arrays view the payload or the shared memory."""
+    if not frame.tensors:
+        return {}
     try:
-        storage = np.empty(frame.payload_nbytes + TENSOR_ALIGNMENT, np.uint8)
-        start = -storage.ctypes.data % TENSOR_ALIGNMENT
-        payload = storage[start:start + frame.payload_nbytes]
-        _recv_exact_into(sock, memoryview(payload), frame_started=True)
+        payload = np.empty(frame.payload_nbytes, np.uint8)  # numpy's allocator: 16-byte aligned
+        _recv_exact_into(sock, memoryview(payload))
         arrays: dict[str, np.ndarray] = {}
         for desc in frame.tensors:
             dtype = WIRE_DTYPES[desc.dtype]
             if desc.fd is not None:
                 mapping = mmap.mmap(frame.fds[desc.fd], desc.nbytes, access=mmap.ACCESS_COPY)
-                flat = np.frombuffer(mapping, dtype)
+                arrays[desc.name] = np.ndarray(desc.shape, dtype, buffer=mapping)
             else:
-                flat = payload[desc.offset:desc.offset + desc.nbytes].view(dtype)
-            arrays[desc.name] = flat.reshape(desc.shape)
+                arrays[desc.name] = np.ndarray(desc.shape, dtype, buffer=payload, offset=desc.offset)
         return arrays
     finally:
         close_frame(frame)

@@ -81,7 +81,7 @@ def test_round_trip_every_dtype_inline_and_shared(pair):
     for name, expected in tensors.items():
         assert arrays[name].dtype == expected.dtype and arrays[name].shape == expected.shape, name
         np.testing.assert_array_equal(arrays[name], expected)
-        assert arrays[name].ctypes.data % wire.TENSOR_ALIGNMENT == 0 or arrays[name].nbytes == 0, name
+        assert arrays[name].ctypes.data % 16 == 0 or arrays[name].nbytes == 0, name  # aligned for any dtype
     del arrays
     assert open_fds() == before  # the sender's and the receiver's descriptors are all closed
 

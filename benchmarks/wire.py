@@ -1,0 +1,118 @@
+"""What the graph worker's wire costs: an identity graph run through a worker process vs the same
+InferenceSession.run in process, for 4 KB, 1 MB and 64 MB tensors.
+
+    python benchmarks/wire.py [--json PATH] [--quick]
+
+Target: the worker adds at most 100 us (median) at 4 KB on the 2-core CPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.helper as oh
+import onnxruntime as ort
+
+from omnigraph.bundles import pack_bundle
+from omnigraph.workers.client import WorkerClient
+from omnigraph.workers.route import WorkerRoute
+
+CASES = [("4KB", 4 * 1024, 5000), ("1MB", 1024 * 1024, 500), ("64MB", 64 * 1024 * 1024, 30)]
+TARGET_OVERHEAD_US_4KB = 100.0
+
+
+def identity_bundle(folder: Path):
+    x = oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"])
+    y = oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n"])
+    graph = oh.make_graph([oh.make_node("Identity", ["x"], ["y"], name="identity")], "identity", [x], [y])
+    folder.mkdir()
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]), folder / "graph.onnx")
+    np.savez(folder / "inputs.npz", x=np.ones(16, np.float32))
+    return pack_bundle(folder, component="bench.identity", example_inputs_file="inputs.npz")
+
+
+def timings_us(call, iterations: int) -> np.ndarray:
+    for _ in range(max(3, iterations // 20)):  # warm caches and allocators
+        call()
+    samples = np.empty(iterations)
+    for i in range(iterations):
+        start = time.perf_counter_ns()
+        call()
+        samples[i] = (time.perf_counter_ns() - start) / 1000.0
+    return samples
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
+    parser.add_argument("--quick", action="store_true", help="a tenth of the iterations")
+    args = parser.parse_args()
+    identity = {
+        "cpu": cpu_name(),
+        "python": platform.python_version(),
+        "onnxruntime": ort.__version__,
+        "numpy": np.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        bundle = identity_bundle(Path(tmp) / "identity")
+        route = WorkerRoute(name="bench-cpu", interpreter=sys.executable, max_io_bytes=128 * 1024 * 1024, intra_op_num_threads=1)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        session = ort.InferenceSession(str(bundle.graph_path), options, providers=["CPUExecutionProvider"])
+        with WorkerClient.start(route, generation=0) as client:
+            client.load(bundle.manifest_path)
+            for case, nbytes, iterations in CASES:
+                iterations = max(10, iterations // 10) if args.quick else iterations
+                x = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
+                feed = {"x": x}
+                assert np.array_equal(client.run(feed, request_id="check", stage_id=0, epoch=0)["y"], x)
+                local = timings_us(lambda: session.run(None, feed), iterations)
+                remote = timings_us(lambda: client.run(feed, request_id="bench", stage_id=0, epoch=0), iterations)
+                values = {
+                    "in_process_median": np.median(local),
+                    "in_process_p99": np.percentile(local, 99),
+                    "worker_median": np.median(remote),
+                    "worker_p99": np.percentile(remote, 99),
+                    "worker_overhead_median": np.median(remote) - np.median(local),
+                }
+                for metric, value in values.items():
+                    rows.append({"case": case, "metric": metric, "value": round(float(value), 1), "unit": "us",
+                                 "iterations": iterations, **identity})
+    print(f"{'case':<6} {'metric':<24} {'value':>12}")
+    for row in rows:
+        print(f"{row['case']:<6} {row['metric']:<24} {row['value']:>10.1f} {row['unit']}")
+    overhead = next(r["value"] for r in rows if r["case"] == "4KB" and r["metric"] == "worker_overhead_median")
+    verdict = "meets" if overhead <= TARGET_OVERHEAD_US_4KB else "MISSES"
+    print(f"4KB worker overhead {overhead:.1f} us: {verdict} the {TARGET_OVERHEAD_US_4KB:.0f} us target")
+    print(f"{identity['cpu']}, python {identity['python']}, onnxruntime {identity['onnxruntime']}, {identity['date']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
