@@ -11,8 +11,12 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omnigraph.bundles.hashing import sha256_file
+
+if TYPE_CHECKING:
+    from omnigraph.bundles import VerifiedBundle
 
 __all__ = [
     "DOMAIN",
@@ -20,6 +24,7 @@ __all__ = [
     "OpsLibraryError",
     "OpsLibraryInfo",
     "checked_library_path",
+    "custom_ops_library",
     "library_info",
 ]
 
@@ -77,3 +82,17 @@ def checked_library_path(path: Path, *, sha256: str, abi_version: int, domain: s
     if binary_abi != abi_version:
         raise OpsLibraryError(f"{path}: the binary reports ABI version {binary_abi}, the manifest {abi_version}")
     return path
+
+
+def custom_ops_library(bundle: VerifiedBundle) -> Path | None:
+    """The checked library path of a verified bundle's `custom_ops` entry; None if it needs none.
+
+    The worker registers the result: `SessionOptions.register_custom_ops_library(str(path))`.
+    """
+    entry = bundle.manifest.custom_ops
+    if entry is None:
+        return None
+    assert bundle.custom_ops_path is not None  # set whenever the manifest has the entry
+    return checked_library_path(
+        bundle.custom_ops_path, sha256=entry.sha256, abi_version=entry.abi_version, domain=entry.domain
+    )
