@@ -248,6 +248,8 @@ def load_session(manifest_path: str, route: WorkerRoute) -> tuple[GraphSession, 
     except (OSError, ValueError) as exc:
         raise LoadRefused("load_failed", f"example inputs {bundle.example_inputs_path}: {exc}") from None
     notes: list[str] = []
+    if route.ep != "cpu" and hasattr(ort, "preload_dlls"):
+        ort.preload_dlls()  # CUDA / cuDNN from the interpreter's nvidia-* packages (no torch here)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="omnigraph-profile-") as profile_dir:
         prefix = os.path.join(profile_dir, "warmup")
