@@ -32,7 +32,7 @@ GENERATOR_VERSION = 1
 CACHE_ENV = "OMNIGRAPH_CACHE"
 MAX_LEN = 512
 HEAD_MAX_LEN = 192
-SCORER_OUTPUT_SCALE = 8.0
+SCORER_OUTPUT_SCALE = 4.0
 ACT_FEATURE_SCALE = 8.0
 
 
@@ -217,8 +217,6 @@ def _random_tensor(name: str, shape: tuple[int, ...], rng: np.random.Generator) 
         tensor *= np.float32(SCORER_OUTPUT_SCALE)
     if name == "act_head.0.weight":
         tensor[:, -4:] *= np.float32(ACT_FEATURE_SCALE)
-    if name == "act_head.2.weight":
-        tensor *= np.float32(2.0)
     return tensor
 
 
