@@ -73,6 +73,11 @@ def build_plan(model: str | None = None, deploy_config: str | Path | DeployConfi
     return pipeline, deploy
 
 
+def _settle(done: asyncio.Future[None]) -> None:
+    if not done.done():  # the awaiting task may have been cancelled meanwhile
+        done.set_result(None)
+
+
 class OmniBase:
     """Startup, introspection and shutdown shared by `Omni` and `AsyncOmni`."""
 
@@ -94,7 +99,7 @@ class OmniBase:
             if warmup and hasattr(self.processor, "warmup_request"):
                 request = self.orchestrator.submit(self.processor.warmup_request(), request_id=f"warmup-{uuid.uuid4().hex}")
                 try:
-                    request.future.result(timeout=startup_timeout)
+                    request.wait(startup_timeout)
                 finally:
                     self.orchestrator.acknowledge(request)
         except BaseException:
@@ -168,12 +173,17 @@ class AsyncOmni(OmniBase):
         """
         request = self.orchestrator.submit(prompt, request_id=request_id, deadline_s=deadline_s)
         try:
+            loop = asyncio.get_running_loop()
+            done = loop.create_future()
+            request.on_done(lambda: loop.call_soon_threadsafe(_settle, done))
             try:
-                result = await asyncio.wrap_future(request.future)
+                await done
             except asyncio.CancelledError:
                 self.orchestrator.abort(request.request_id)
                 raise
-            yield self._output(request, result)
+            if request.error is not None:
+                raise request.error
+            yield self._output(request, request.result)
         finally:
             self.orchestrator.acknowledge(request)
 
@@ -234,7 +244,7 @@ class Omni(OmniBase):
 
     def _collect(self, index: int, request: RequestState, outputs: list[OmniRequestOutput | None]) -> None:
         try:
-            output = self._output(request, request.future.result())
+            output = self._output(request, request.wait())
         except Exception as exc:
             output = OmniRequestOutput(
                 request_id=request.request_id, stage_id=self.pipeline.final_stage.stage_id, finished=True,

@@ -5,7 +5,7 @@ request is valid), admitted against a bounded queue (full: `ResourceUnavailable`
 its work items enter the first stage. Each stage's replica threads run the calls; when a call
 returns, the same thread hands the outputs to the next stage (through the stage's
 `custom_process_input_func`, checked against the inputs the next bundle declares) or, after the
-final stage, finishes the request with the processor. The caller only waits on a future, so the
+final stage, finishes the request with the processor. The caller only waits for a callback, so the
 whole path costs two thread hand-offs (into the replica thread, back to the caller).
 """
 
@@ -14,8 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from concurrent.futures import Future
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -35,22 +34,28 @@ DEFAULT_MAX_QUEUED_REQUESTS = 32
 
 
 class RequestState:
-    """One admitted request: its prepared work, its outputs so far and the future its caller awaits."""
+    """One admitted request: its prepared work, its outputs so far, and its outcome once finished.
 
-    __slots__ = ("request_id", "prepared", "deadline", "future", "stage_durations", "finished",
-                 "_outputs", "_remaining", "_lock")
+    Completion is a plain callback (`on_done`) rather than a concurrent Future: the async front
+    turns it into one `call_soon_threadsafe`, the blocking front waits with `wait`.
+    """
+
+    __slots__ = ("request_id", "prepared", "deadline", "stage_durations", "finished", "result", "error",
+                 "_outputs", "_remaining", "_lock", "_on_done", "_event")
 
     def __init__(self, request_id: str, prepared: PreparedRequest, deadline: float | None) -> None:
         self.request_id = request_id
         self.prepared = prepared
         self.deadline = deadline
-        self.future: Future[Any] = Future()
-        self.future.set_running_or_notify_cancel()  # only the orchestrator ends a request (abort, not cancel)
         self.stage_durations: dict[int, float] = {}
         self.finished = False
+        self.result: Any = None
+        self.error: BaseException | None = None
         self._outputs: list[Mapping[str, np.ndarray] | None] = [None] * len(prepared.work)
         self._remaining = len(prepared.work)
         self._lock = threading.Lock()
+        self._on_done: Callable[[], None] | None = None
+        self._event: threading.Event | None = None
 
     def remaining_time(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -70,20 +75,45 @@ class RequestState:
         outputs, self._outputs = self._outputs, []
         return outputs  # type: ignore[return-value]
 
-    def resolve(self, result: Any) -> None:
+    def on_done(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from whichever thread finishes the request) once it has finished."""
         with self._lock:
-            if self.finished:
+            if not self.finished:
+                self._on_done = callback
                 return
-            self.finished = True
-        self.future.set_result(result)
+        callback()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until finished; the result, or the request's error raised."""
+        with self._lock:
+            if not self.finished and self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if event is not None and not event.wait(timeout):
+            raise TimeoutError(f"request {self.request_id} did not finish within {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def resolve(self, result: Any) -> None:
+        self._settle(result, None)
 
     def reject(self, error: BaseException) -> bool:
+        """Fail the request unless it already finished; True if this call failed it."""
+        return self._settle(None, error)
+
+    def _settle(self, result: Any, error: BaseException | None) -> bool:
         with self._lock:
             if self.finished:
                 return False
             self.finished = True
+            self.result, self.error = result, error
             self._outputs = []
-        self.future.set_exception(error)
+            callback, event = self._on_done, self._event
+        if event is not None:
+            event.set()
+        if callback is not None:
+            callback()
         return True
 
 
@@ -177,10 +207,9 @@ class Orchestrator:
     def _check_open(self) -> None:
         if self._closed:
             raise PipelineClosed("the pipeline is shut down")
-        failed = self.runtime.health()
-        if failed:
-            stage_id, reason = next(iter(failed.items()))
-            raise StageUnavailable(f"stage {stage_id} has no live replica ({reason}); recreate the pipeline")
+        for stage in self._chain:
+            if stage.failure is not None:
+                raise StageUnavailable(f"stage {stage.stage_id} has no live replica ({stage.failure}); recreate the pipeline")
 
     def acknowledge(self, request: RequestState) -> None:
         """The caller has the result: the request leaves the admission count."""
