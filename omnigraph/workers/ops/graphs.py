@@ -8,54 +8,46 @@ residual and weight) stay FP32.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 import onnx
 from onnx import TensorProto, helper
 
-__all__ = ["DOMAIN", "OPSET", "attention_model", "geglu_model", "add_layer_norm_model"]
+__all__ = ["DOMAIN", "OPSET", "add_layer_norm_model", "attention_model", "geglu_model"]
 
 DOMAIN = "omnigraph"
 OPSET = 1
 _ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
+# A graph input or output: (name, shape, element type at the graph boundary, is an activation).
+Port = tuple[str, Sequence[str], int, bool]
 
-def _elem(dtype: str) -> int:
+
+def _one_op_model(op_type: str, inputs: Sequence[Port], outputs: Sequence[Port], dtype: str,
+                  attributes: Mapping[str, Any]) -> onnx.ModelProto:  # fmt: skip
+    """Cast(activations -> dtype) -> op -> Cast(activations -> float32)."""
     try:
-        return _ELEM[dtype]
+        elem = _ELEM[dtype]
     except KeyError:
         raise ValueError(f"dtype must be one of {sorted(_ELEM)}, got {dtype!r}") from None
-
-
-def _model(
-    op: onnx.NodeProto, inputs: dict[str, tuple[bool, list[str]]], outputs: dict[str, tuple[bool, list[str]]], dtype: str
-) -> onnx.ModelProto:
-    """Wraps `op` in a graph; names flagged True are activations, cast to and from `dtype`."""
-    elem = _elem(dtype)
-    nodes: list[onnx.NodeProto] = []
-    op_inputs, op_outputs = [], []
-    graph_inputs, graph_outputs = [], []
-    for name, (activation, shape) in inputs.items():
-        is_mask = name == "key_mask"
-        graph_inputs.append(helper.make_tensor_value_info(name, TensorProto.INT64 if is_mask else TensorProto.FLOAT, shape))
-        if activation and elem != TensorProto.FLOAT:
-            nodes.append(helper.make_node("Cast", [name], [f"{name}_cast"], name=f"cast_{name}", to=elem))
-            op_inputs.append(f"{name}_cast")
-        else:
-            op_inputs.append(name)
-    for name, (activation, shape) in outputs.items():
-        graph_outputs.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
-        if activation and elem != TensorProto.FLOAT:
-            nodes.append(helper.make_node("Cast", [f"{name}_raw"], [name], name=f"cast_{name}", to=TensorProto.FLOAT))
-            op_outputs.append(f"{name}_raw")
-        else:
-            op_outputs.append(name)
-    del op.input[:]
-    op.input.extend(op_inputs)
-    del op.output[:]
-    op.output.extend(op_outputs)
-    op.name = op.op_type
-    casts_in = [node for node in nodes if node.input[0] in inputs]
-    casts_out = [node for node in nodes if node.input[0] not in inputs]
-    graph = helper.make_graph([*casts_in, op, *casts_out], f"omnigraph_{op.op_type}_{dtype}", graph_inputs, graph_outputs)
+    cast = elem != TensorProto.FLOAT
+    casts_in, casts_out, op_inputs, op_outputs = [], [], [], []
+    for name, _, _, activation in inputs:
+        if cast and activation:
+            casts_in.append(helper.make_node("Cast", [name], [f"{name}_{dtype}"], name=f"cast_{name}", to=elem))
+        op_inputs.append(f"{name}_{dtype}" if cast and activation else name)
+    for name, _, _, activation in outputs:
+        if cast and activation:
+            casts_out.append(helper.make_node("Cast", [f"{name}_{dtype}"], [name], name=f"cast_{name}", to=TensorProto.FLOAT))
+        op_outputs.append(f"{name}_{dtype}" if cast and activation else name)
+    op = helper.make_node(op_type, op_inputs, op_outputs, name=op_type, domain=DOMAIN, **attributes)
+    graph = helper.make_graph(
+        [*casts_in, op, *casts_out],
+        f"omnigraph_{op_type}_{dtype}",
+        [helper.make_tensor_value_info(name, boundary, list(shape)) for name, shape, boundary, _ in inputs],
+        [helper.make_tensor_value_info(name, boundary, list(shape)) for name, shape, boundary, _ in outputs],
+    )
     return helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(DOMAIN, OPSET)], ir_version=9
     )
@@ -63,37 +55,32 @@ def _model(
 
 def attention_model(*, num_heads: int, rope_theta: float, window: int = 0, dtype: str = "float32") -> onnx.ModelProto:
     """qkv [B, L, 3d], key_mask int64 [B, L] -> context [B, L, d]."""
-    node = helper.make_node(
+    return _one_op_model(
         "ModernBertAttention",
-        ["qkv", "key_mask"],
-        ["context"],
-        domain=DOMAIN,
-        num_heads=num_heads,
-        window=window,
-        rope_theta=float(rope_theta),
-    )
-    return _model(
-        node,
-        {"qkv": (True, ["B", "L", "D3"]), "key_mask": (False, ["B", "L"])},
-        {"context": (True, ["B", "L", "D"])},
+        [("qkv", ["B", "L", "D3"], TensorProto.FLOAT, True), ("key_mask", ["B", "L"], TensorProto.INT64, False)],
+        [("context", ["B", "L", "D"], TensorProto.FLOAT, True)],
         dtype,
+        {"num_heads": num_heads, "window": window, "rope_theta": float(rope_theta)},
     )
 
 
 def geglu_model(*, dtype: str = "float32") -> onnx.ModelProto:
     """x [N, 2F] -> y [N, F]."""
-    node = helper.make_node("GeGLU", ["x"], ["y"], domain=DOMAIN)
-    return _model(node, {"x": (True, ["N", "F2"])}, {"y": (True, ["N", "F"])}, dtype)
+    return _one_op_model(
+        "GeGLU", [("x", ["N", "F2"], TensorProto.FLOAT, True)], [("y", ["N", "F"], TensorProto.FLOAT, True)], dtype, {}
+    )
 
 
 def add_layer_norm_model(*, epsilon: float = 1e-5, dtype: str = "float32") -> onnx.ModelProto:
     """residual [N, d], x [N, d], weight [d] -> residual_out [N, d], normed [N, d]."""
-    node = helper.make_node(
-        "AddLayerNorm", ["residual", "x", "weight"], ["residual_out", "normed"], domain=DOMAIN, epsilon=float(epsilon)
-    )
-    return _model(
-        node,
-        {"residual": (False, ["N", "D"]), "x": (True, ["N", "D"]), "weight": (False, ["D"])},
-        {"residual_out": (False, ["N", "D"]), "normed": (True, ["N", "D"])},
+    return _one_op_model(
+        "AddLayerNorm",
+        [
+            ("residual", ["N", "D"], TensorProto.FLOAT, False),
+            ("x", ["N", "D"], TensorProto.FLOAT, True),
+            ("weight", ["D"], TensorProto.FLOAT, False),
+        ],
+        [("residual_out", ["N", "D"], TensorProto.FLOAT, False), ("normed", ["N", "D"], TensorProto.FLOAT, True)],
         dtype,
+        {"epsilon": float(epsilon)},
     )
