@@ -12,6 +12,13 @@ omnigraph / laya-serve throughput ratio, and whether both servers gave equal ans
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# This script is named http.py: drop its folder from the import path, or `import http` (which
+# httpx and asyncio need) would find this file instead of the standard library.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
 import argparse
 import asyncio
 import datetime
@@ -22,10 +29,8 @@ import signal
 import socket
 import statistics
 import subprocess
-import sys
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -145,8 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint, bundle = _bundle_for(args.size)
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
     servers = {
-        "omnigraph": ([sys.executable, "-m", "omnigraph.plugin.cli", "serve", "--bundle", str(bundle)], {},
-                      "/ready", REQUEST),
+        # laya-serve has no request deadline; give omnigraph's one the same room as the client's timeout.
+        "omnigraph": ([sys.executable, "-m", "omnigraph.plugin.cli", "serve", "--bundle", str(bundle)],
+                      {"OMNIGRAPH_REQUEST_DEADLINE_S": "120"}, "/ready", REQUEST),
         "laya-serve": ([str(Path(sys.executable).with_name("laya-serve"))],
                        {"LAYA_EXTRA_MODELS": json.dumps({"english": str(checkpoint)}), "LAYA_MODELS": "english",
                         "LAYA_HOST": "127.0.0.1", "LAYA_LOG_LEVEL": "warning", "LAYA_MAX_CONCURRENT": "256"},

@@ -45,11 +45,12 @@ class _EngineGauges(Collector):
 
 
 class ServerMetrics:
-    """The metrics one app exports at `GET /metrics`."""
+    """The metrics one app exports at `GET /metrics` (inside vLLM: in vLLM's own registry)."""
 
     def __init__(self, queue_depth: Callable[[], int | None],
-                 ledger_snapshot: Callable[[], Mapping[str, Any] | None]) -> None:
-        self.registry = CollectorRegistry()
+                 ledger_snapshot: Callable[[], Mapping[str, Any] | None],
+                 registry: CollectorRegistry | None = None) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
         self.requests = Counter("omnigraph_http_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)
         self.request_latency = Histogram("omnigraph_http_request_duration_seconds",

@@ -93,9 +93,13 @@ class DecisionService:
         self.ready = True
         logger.info("model %r is ready", self.model_name)
 
-    async def stop(self) -> None:
+    def shutdown(self) -> None:
+        """Stop the engine's workers and release its reservations (idempotent)."""
         if self.engine is not None:
-            await asyncio.to_thread(self.engine.shutdown)
+            self.engine.shutdown()
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.shutdown)
 
     def health_failure(self) -> str | None:
         """Why the server cannot answer (a failed start or a failed stage), or None when healthy."""

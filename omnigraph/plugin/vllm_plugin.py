@@ -1,0 +1,82 @@
+"""vLLM entry points: omnigraph's decision routes inside `vllm serve` and vLLM's GPU-less render server.
+
+- `register` (group `vllm.general_plugins`, name `omnigraph-pipelines`): makes every installed
+  omnigraph pipeline known in each vLLM process. Idempotent: vLLM may call it more than once.
+- `OmnigraphEndpointPlugin` (group `vllm.endpoint_plugins`, name `omnigraph`): adds
+  `POST /v1/systemone`, `POST /v1/systemone/batch` and `GET /v1/systemone/ready` (the same handlers
+  as `omnigraph serve`) and starts the omnigraph pipeline behind them. Eligible for every task,
+  `render` included: an all-graph pipeline needs no vLLM engine (`engine_client` may be None).
+  vLLM keeps its own `/health`, `/metrics`, `/v1/models` and `/v1/chat/completions`; omnigraph's
+  stage histograms, queue depth and ledger gauges join vLLM's `/metrics`.
+
+Endpoint plugins load only when named: `VLLM_PLUGINS=omnigraph,omnigraph-pipelines`.
+Which pipeline is served: `OMNIGRAPH_DEPLOY_CONFIG` (a deploy YAML), else `OMNIGRAPH_BUNDLE` (with
+`OMNIGRAPH_MODEL`, default laya), else vLLM's `--model` when it is an omnigraph bundle folder, else
+the embedded demo. `OMNIGRAPH_REQUEST_DEADLINE_S` bounds each request as in `omnigraph serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import time
+from argparse import Namespace
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI
+
+ENDPOINT_PLUGIN_NAME = "omnigraph"
+
+
+def register() -> None:
+    """`vllm.general_plugins`: load every pipeline declared under the `omnigraph.pipelines` group."""
+    from omnigraph.pipelines.registry import available_pipelines, get_pipeline
+
+    for name in available_pipelines():
+        get_pipeline(name)
+
+
+def _pipeline_source(args: Namespace) -> dict[str, str | None]:
+    """`model`, `bundle` and `deploy_config` for the omnigraph pipeline this vLLM server runs."""
+    deploy_config = os.environ.get("OMNIGRAPH_DEPLOY_CONFIG") or None
+    bundle = os.environ.get("OMNIGRAPH_BUNDLE") or None
+    model = os.environ.get("OMNIGRAPH_MODEL") or None
+    vllm_model = getattr(args, "model", None)
+    if deploy_config is None and bundle is None and vllm_model and (Path(vllm_model) / "manifest.json").is_file():
+        bundle = vllm_model
+    return {"model": model, "bundle": bundle, "deploy_config": deploy_config}
+
+
+class OmnigraphEndpointPlugin:
+    """`vllm.endpoint_plugins`: the decision API over an omnigraph pipeline, inside vLLM's server."""
+
+    name = ENDPOINT_PLUGIN_NAME
+    required_tasks = None  # eligible everywhere, including the engine-less render server
+
+    def attach_router(self, app: FastAPI) -> None:
+        from omnigraph.plugin.api import decision, ops
+        from omnigraph.plugin.api.errors import ApiError, api_error_handler
+
+        readiness = APIRouter()
+        readiness.add_api_route("/v1/systemone/ready", ops.ready, methods=["GET"])
+        app.include_router(decision.router)
+        app.include_router(readiness)
+        app.add_exception_handler(ApiError, api_error_handler)
+
+    async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
+        """Start the pipeline in the background; the routes answer 503 until its warmup passed."""
+        from prometheus_client import REGISTRY
+
+        from omnigraph.plugin.api.body import MAX_BODY_BYTES
+        from omnigraph.plugin.api.metrics import ServerMetrics
+        from omnigraph.plugin.server import build_service, request_deadline_from_env
+
+        service = build_service(**_pipeline_source(args), deadline_s=request_deadline_from_env())
+        state.service = service
+        state.metrics = ServerMetrics(service.queue_depth, service.ledger_snapshot, registry=REGISTRY)
+        state.max_body_bytes = MAX_BODY_BYTES
+        state.started_at = int(time.time())
+        state.omnigraph_start = asyncio.get_running_loop().create_task(service.start())
+        atexit.register(service.shutdown)  # vLLM's lifespan does not know this engine
