@@ -33,15 +33,39 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 HandoffFunc = Callable[[Mapping[int, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], Mapping[str, Any]]
 
 
+def worker_route(stage: StageDeployConfig) -> WorkerRoute:
+    """The route a graph stage's workers run on; on GPU routes the stage's VRAM demand on its
+    device (`machine:vram:<device_id>`) becomes ORT's arena limit (`gpu_mem_limit`)."""
+    backend = stage.backend
+    route = backend.route
+    vram = stage.resource_budget.demands.get(f"machine:vram:{route.device_id}") if route.ep != "cpu" else None
+    extra = {"max_io_bytes": backend.max_io_bytes} if backend.max_io_bytes is not None else {}
+    return WorkerRoute(
+        name=route.name,
+        interpreter=route.interpreter,
+        ep=route.ep,
+        device_id=route.device_id,
+        provider_options=route.provider_options,
+        allowed_providers=tuple(backend.allowed_providers or ()),
+        min_fraction_on_target=backend.min_fraction_on_target,
+        os_domain=route.os_domain,
+        enable_cuda_graph=route.enable_cuda_graph,
+        gpu_mem_limit=vram or None,
+        intra_op_num_threads=route.intra_op_num_threads,
+        env=stage.env,
+        **extra,
+    )
+
+
 class GraphStage:
     """A graph stage's serving state: its replicas and the queue they share."""
 
     def __init__(self, config: StagePipelineConfig, deploy: StageDeployConfig, bundle: VerifiedBundle,
-                 routes: list[WorkerRoute]) -> None:
+                 route: WorkerRoute) -> None:
         self.config = config
         self.deploy = deploy
         self.bundle = bundle
-        self.routes = routes
+        self.route = route
         self.stage_id = config.stage_id
         self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.replicas: list[GraphStageClient] = []
@@ -167,33 +191,13 @@ class StageRuntime:
         deploy = self.deploy.stage(stage_id)
         if config.execution_type is not StageExecutionType.GRAPH:
             raise StageStartupError(stage_id, 0, f"execution_type {config.execution_type.value!r} has no stage client in this engine")
-        backend = deploy.backend
-        bundle = verify_bundle(backend.manifest)
-        route = backend.route
-        vram = deploy.resource_budget.demands.get(f"machine:vram:{route.device_id}") if route.ep != "cpu" else None
-        extra = {"max_io_bytes": backend.max_io_bytes} if backend.max_io_bytes is not None else {}
-        worker_route = WorkerRoute(
-            name=route.name,
-            interpreter=route.interpreter,
-            ep=route.ep,
-            device_id=route.device_id,
-            provider_options=route.provider_options,
-            allowed_providers=tuple(backend.allowed_providers or ()),
-            min_fraction_on_target=backend.min_fraction_on_target,
-            os_domain=route.os_domain,
-            enable_cuda_graph=route.enable_cuda_graph,
-            gpu_mem_limit=vram or None,  # the ledger's VRAM demand is the ORT arena limit
-            intra_op_num_threads=route.intra_op_num_threads,
-            env=deploy.env,
-            **extra,
-        )
-        return GraphStage(config, deploy, bundle, [worker_route] * deploy.num_replicas)
+        bundle = verify_bundle(deploy.backend.manifest)
+        return GraphStage(config, deploy, bundle, worker_route(deploy))
 
     def _start_replica(self, stage: GraphStage, replica: int, reservation: Reservation,
                        launched: list[tuple[WorkerClient, Reservation]]) -> GraphStageClient:
-        route = stage.routes[replica]
         try:
-            client = WorkerClient.start(route, generation=next(self._generations), startup_timeout=self.startup_timeout)
+            client = WorkerClient.start(stage.route, generation=next(self._generations), startup_timeout=self.startup_timeout)
         except Exception as exc:
             raise StageStartupError(stage.stage_id, replica, f"worker did not start: {exc}") from exc
         launched.append((client, reservation))
@@ -203,7 +207,7 @@ class StageRuntime:
             raise StageStartupError(stage.stage_id, replica, f"load and warmup refused: {exc}") from exc
         if report.manifest_sha256 != stage.bundle.manifest_sha256:
             raise StageStartupError(stage.stage_id, replica, "the worker loaded another manifest than the one verified here")
-        return GraphStageClient(stage, replica, client, route, reservation, self.ledger, report)
+        return GraphStageClient(stage, replica, client, stage.route, reservation, self.ledger, report)
 
     def execution_plan(self) -> dict[str, Any]:
         """Per stage: manifest identity, and per replica: worker generation, route, reservation, placement."""

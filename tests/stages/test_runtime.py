@@ -9,7 +9,7 @@ from omnigraph import AsyncOmni, Omni
 from omnigraph.pipelines.deploy import resolve_pipeline
 from omnigraph.stages import runtime as runtime_module
 from omnigraph.stages.errors import ReservationRefused, StageStartupError
-from omnigraph.stages.runtime import StageRuntime
+from omnigraph.stages.runtime import StageRuntime, worker_route
 
 
 def test_overcommit_is_refused_before_any_worker_starts(make_plan, os_processes, monkeypatch):
@@ -77,3 +77,14 @@ def test_async_omni_context_manager_shuts_down(make_plan, os_processes):
     assert outputs[0].final_output_type == "tensors" and outputs[0].stage_id == 0
     assert np.array_equal(outputs[0].custom_output["y"], 2 * x + 1)
     assert os_processes.children() == set()
+
+
+def test_vram_demand_becomes_the_ort_arena_limit(make_plan):
+    plan = make_plan("affine", ep="cuda", device_id=1)
+    gpu = plan.stage(0).model_copy(update={"resource_budget": plan.stage(0).resource_budget.model_copy(update={
+        "capacities": {"machine:vram:1": 8 << 30, "machine:ram": 1 << 30},
+        "demands": {"machine:vram:1": 2 << 30, "machine:ram": 1 << 28}})})
+    route = worker_route(gpu)
+    assert route.ep == "cuda" and route.gpu_mem_limit == 2 << 30
+    assert dict(route.ort_providers())["CUDAExecutionProvider"]["gpu_mem_limit"] == str(2 << 30)
+    assert worker_route(make_plan("affine", capacity=1000, demand=10).stage(0)).gpu_mem_limit is None
