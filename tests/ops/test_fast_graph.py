@@ -22,7 +22,11 @@ from omnigraph.pipelines.laya.fast_graph import (  # noqa: E402
     export_fast_onnx,
     substitute_encoder,
 )
-from omnigraph.pipelines.laya.graph import DecisionGraphConfig, build_decision_graph, load_checkpoint_weights  # noqa: E402
+from omnigraph.pipelines.laya.graph import (  # noqa: E402
+    DecisionGraphConfig,
+    build_decision_graph,
+    load_checkpoint_weights,
+)
 from omnigraph.pipelines.laya.synth import cached_checkpoint  # noqa: E402
 from omnigraph.workers.ops import graphs  # noqa: E402
 from omnigraph.workers.ops.loader import custom_ops_library  # noqa: E402

@@ -95,7 +95,8 @@ def _encoder_nodes(
              rope_theta=config.local_rope_theta if local else config.global_rope_theta)  # fmt: skip
         attn_out = projection(f"layers.{i}/context", prefix + "attn.Wo.weight", f"layers.{i}/Wo")
         node("AddLayerNorm", [residual, attn_out, prefix + "mlp_norm.weight"],
-             [f"layers.{i}/residual_mid", f"layers.{i}/mlp_in"], f"layers.{i}/mlp_norm", epsilon=config.norm_eps)  # fmt: skip
+             [f"layers.{i}/residual_mid", f"layers.{i}/mlp_in"], f"layers.{i}/mlp_norm",
+             epsilon=config.norm_eps)  # fmt: skip
         gate_up = projection(f"layers.{i}/mlp_in", prefix + "mlp.Wi.weight", f"layers.{i}/Wi")
         node("GeGLU", [gate_up], [f"layers.{i}/geglu"], f"layers.{i}/geglu")
         mlp_out = projection(f"layers.{i}/geglu", prefix + "mlp.Wo.weight", f"layers.{i}/mlp_Wo")
@@ -122,7 +123,9 @@ def _needed_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     return kept[::-1]
 
 
-def substitute_encoder(model: onnx.ModelProto, module: DecisionGraph, *, activation: str = "bfloat16") -> onnx.ModelProto:
+def substitute_encoder(
+    model: onnx.ModelProto, module: DecisionGraph, *, activation: str = "bfloat16"
+) -> onnx.ModelProto:
     """`model` (the fp32 export of `module`, weights loaded) with its encoder on the custom ops."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")

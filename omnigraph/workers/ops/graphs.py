@@ -39,7 +39,9 @@ def _one_op_model(op_type: str, inputs: Sequence[Port], outputs: Sequence[Port],
         op_inputs.append(f"{name}_{dtype}" if cast and activation else name)
     for name, _, _, activation in outputs:
         if cast and activation:
-            casts_out.append(helper.make_node("Cast", [f"{name}_{dtype}"], [name], name=f"cast_{name}", to=TensorProto.FLOAT))
+            casts_out.append(
+                helper.make_node("Cast", [f"{name}_{dtype}"], [name], name=f"cast_{name}", to=TensorProto.FLOAT)
+            )
         op_outputs.append(f"{name}_{dtype}" if cast and activation else name)
     op = helper.make_node(op_type, op_inputs, op_outputs, name=op_type, domain=DOMAIN, **attributes)
     graph = helper.make_graph(

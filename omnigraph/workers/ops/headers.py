@@ -54,11 +54,13 @@ def _fetch_into(dest: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="omnigraph-ort-headers-") as tmp:
         work = Path(tmp)
         (work / "lists" / "partial").mkdir(parents=True)
+        (work / "cache" / "archives" / "partial").mkdir(parents=True)
         (work / "sources.list").write_text(f"deb [trusted=yes] {_debian_mirror()} {_SUITE} main\n")
         options = [
             "-o", f"Dir::Etc::SourceList={work / 'sources.list'}",
             "-o", "Dir::Etc::SourceParts=/nonexistent",
             "-o", f"Dir::State::Lists={work / 'lists'}",
+            "-o", f"Dir::Cache={work / 'cache'}",  # no write to the system's apt cache
         ]  # fmt: skip
         for step in (["update"], ["download", _PACKAGE]):
             result = subprocess.run(["apt-get", *options, "-qq", *step], cwd=work, capture_output=True, text=True)
