@@ -76,7 +76,8 @@ def reference_outputs(spec: Mapping[str, Any], inputs: Mapping[str, np.ndarray])
 
 
 def _value_info(item: Mapping[str, Any]) -> onnx.ValueInfoProto:
-    elem_type = helper.np_dtype_to_tensor_dtype(np.dtype(item["dtype"]))
+    dtype = item["dtype"]
+    elem_type = TensorProto.BFLOAT16 if dtype == "bfloat16" else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     return helper.make_tensor_value_info(item["name"], elem_type, item["shape"])
 
 

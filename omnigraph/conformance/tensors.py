@@ -1,6 +1,8 @@
 """Tensors written as fixture data: `{"dtype", "shape", "values" | "fill"}` -> numpy arrays, and back.
 
 `values` is a flat or nested list; `fill` is `"arange"` (0, 1, 2, ... in the dtype) or `"zeros"`.
+`bfloat16` (which numpy lacks) is built as uint16 arrays of the raw bits, the way the wire carries
+it: values are rounded to float32 and their upper 16 bits kept, so give values bfloat16 can hold.
 Comparison of outputs is exact for integers and booleans and within `atol` for floats.
 """
 
@@ -13,7 +15,9 @@ import numpy as np
 from omnigraph.conformance.suite import FixtureInvalid
 
 # The dtype names the fixtures use (numpy spellings; the wire whitelist is the target's business).
-FIXTURE_DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "float16", "float32", "float64")
+FIXTURE_DTYPES = (
+    "bool", "int8", "uint8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64"
+)
 
 
 def tensor_from_spec(spec: Mapping[str, Any], *, where: str) -> np.ndarray:
@@ -25,6 +29,9 @@ def tensor_from_spec(spec: Mapping[str, Any], *, where: str) -> np.ndarray:
     if not isinstance(shape, list) or not all(type(dim) is int and dim >= 0 for dim in shape):
         raise FixtureInvalid(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
     count = int(np.prod(shape, dtype=np.int64))
+    if dtype == "bfloat16":
+        as_float = tensor_from_spec({**spec, "dtype": "float32"}, where=where)
+        return (as_float.view(np.uint32) >> 16).astype(np.uint16)
     if "values" in spec:
         array = np.asarray(spec["values"], dtype=dtype).reshape(-1)
         if array.size != count:
