@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx import helper
 from onnxruntime.capi.onnxruntime_pybind11_state import InvalidArgument, RuntimeException
 
 from omnigraph.workers.ops import graphs, reference
@@ -90,7 +91,7 @@ def test_cuda_build_runs_the_same_cpu_kernels(run_cpu, cuda_library):
 def test_missing_required_attribute_is_refused_at_session_creation(run_cpu):
     model = graphs.attention_model(num_heads=2, rope_theta=10000.0)
     del model.graph.node[0].attribute[:]  # drops num_heads, window and rope_theta
-    with pytest.raises(RuntimeException, match="ModernBertAttention: missing required int attribute 'num_heads'"):
+    with pytest.raises(RuntimeException, match="ModernBertAttention: missing required attribute 'num_heads' \\(an int\\)"):
         run_cpu(model, qkv=np.zeros((1, 2, 12), np.float32), key_mask=np.ones((1, 2), np.int64))
 
 
@@ -106,6 +107,14 @@ def test_bad_attribute_values_are_refused(run_cpu, attribute, value, message):
     settings = {"num_heads": 2, "rope_theta": 10000.0, "window": 0, attribute: value}
     model = graphs.attention_model(**settings)
     with pytest.raises(RuntimeException, match=message):
+        run_cpu(model, qkv=np.zeros((1, 2, 12), np.float32), key_mask=np.ones((1, 2), np.int64))
+
+
+def test_attribute_of_the_wrong_type_is_refused_not_defaulted(run_cpu):
+    model = graphs.attention_model(num_heads=2, rope_theta=10000.0)
+    window = next(attribute for attribute in model.graph.node[0].attribute if attribute.name == "window")
+    window.CopyFrom(helper.make_attribute("window", 2.5))
+    with pytest.raises(RuntimeException, match="ModernBertAttention: attribute 'window' must be an int"):
         run_cpu(model, qkv=np.zeros((1, 2, 12), np.float32), key_mask=np.ones((1, 2), np.int64))
 
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -55,29 +56,24 @@ void Require(bool condition, const std::string& message) {
   if (!condition) throw OpInputError(message);
 }
 
-int64_t RequiredIntAttribute(const Ort::ConstKernelInfo& info, const char* name) {
+// An attribute's value; nullopt only when the node does not set it (a wrong type is an error,
+// never a silent default). ORT reports both as ORT_FAIL; its message tells them apart, and should
+// that text ever change, a missing optional attribute fails loudly rather than defaulting.
+template <typename T>
+std::optional<T> OptionalAttribute(const Ort::ConstKernelInfo& info, const char* name, const char* type_name) {
   try {
-    return info.GetAttribute<int64_t>(name);
-  } catch (const Ort::Exception&) {
-    throw OpInputError(std::string("missing required int attribute '") + name + "'");
+    return info.GetAttribute<T>(name);
+  } catch (const Ort::Exception& error) {
+    if (std::string(error.what()).find("No attribute with name") != std::string::npos) return std::nullopt;
+    throw OpInputError(std::string("attribute '") + name + "' must be " + type_name + " (" + error.what() + ")");
   }
 }
 
-float FloatAttribute(const Ort::ConstKernelInfo& info, const char* name, float fallback, bool required) {
-  try {
-    return info.GetAttribute<float>(name);
-  } catch (const Ort::Exception&) {
-    if (required) throw OpInputError(std::string("missing required float attribute '") + name + "'");
-    return fallback;
-  }
-}
-
-int64_t IntAttribute(const Ort::ConstKernelInfo& info, const char* name, int64_t fallback) {
-  try {
-    return info.GetAttribute<int64_t>(name);
-  } catch (const Ort::Exception&) {
-    return fallback;
-  }
+template <typename T>
+T RequiredAttribute(const Ort::ConstKernelInfo& info, const char* name, const char* type_name) {
+  std::optional<T> value = OptionalAttribute<T>(info, name, type_name);
+  if (!value) throw OpInputError(std::string("missing required attribute '") + name + "' (" + type_name + ")");
+  return *value;
 }
 
 // Where a kernel runs and which activation element type it takes.
@@ -110,9 +106,9 @@ template <Backend backend>
 struct AttentionKernel {
   explicit AttentionKernel(const OrtKernelInfo* info_ptr) {
     Ort::ConstKernelInfo info(info_ptr);
-    num_heads = RequiredIntAttribute(info, "num_heads");
-    window = IntAttribute(info, "window", 0);
-    rope_theta = FloatAttribute(info, "rope_theta", 0.0f, /*required=*/true);
+    num_heads = RequiredAttribute<int64_t>(info, "num_heads", "an int");
+    window = OptionalAttribute<int64_t>(info, "window", "an int").value_or(0);
+    rope_theta = RequiredAttribute<float>(info, "rope_theta", "a float");
     Require(num_heads > 0, "attribute num_heads must be positive, got " + std::to_string(num_heads));
     Require(window >= 0, "attribute window must be >= 0 (0 = global), got " + std::to_string(window));
     Require(rope_theta > 0.0f, "attribute rope_theta must be positive, got " + std::to_string(rope_theta));
@@ -196,7 +192,7 @@ template <Backend backend>
 struct AddLayerNormKernel {
   explicit AddLayerNormKernel(const OrtKernelInfo* info_ptr) {
     Ort::ConstKernelInfo info(info_ptr);
-    epsilon = FloatAttribute(info, "epsilon", 1e-5f, /*required=*/false);
+    epsilon = OptionalAttribute<float>(info, "epsilon", "a float").value_or(1e-5f);
     Require(epsilon > 0.0f, "attribute epsilon must be positive, got " + std::to_string(epsilon));
   }
 
