@@ -14,10 +14,11 @@ from typing import Any
 import onnx
 from onnx import TensorProto, helper
 
+from omnigraph.workers.ops.loader import DOMAIN
+
 __all__ = ["DOMAIN", "OPSET", "add_layer_norm_model", "attention_model", "geglu_model"]
 
-DOMAIN = "omnigraph"
-OPSET = 1
+OPSET = 1  # the `omnigraph` domain's opset version
 _ELEM = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 
 # A graph input or output: (name, shape, element type at the graph boundary, is an activation).
