@@ -25,7 +25,7 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any
 
-from fastapi import APIRouter, FastAPI
+from fastapi import FastAPI
 
 ENDPOINT_PLUGIN_NAME = "omnigraph"
 
@@ -59,10 +59,11 @@ class OmnigraphEndpointPlugin:
         from omnigraph.plugin.api import decision, ops
         from omnigraph.plugin.api.errors import ApiError, api_error_handler
 
-        readiness = APIRouter()
-        readiness.add_api_route("/v1/systemone/ready", ops.ready, methods=["GET"])
-        app.include_router(decision.router)
-        app.include_router(readiness)
+        # Routes straight on the app (not an included router), so vLLM sees each one when it
+        # resolves plugin routes against its own.
+        app.add_api_route("/v1/systemone", decision.systemone, methods=["POST"])
+        app.add_api_route("/v1/systemone/batch", decision.systemone_batch, methods=["POST"])
+        app.add_api_route("/v1/systemone/ready", ops.ready, methods=["GET"])
         app.add_exception_handler(ApiError, api_error_handler)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
