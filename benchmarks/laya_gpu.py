@@ -42,9 +42,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import datetime
 import gc
+import hashlib
 import importlib.metadata
+import itertools
 import json
 import math
 import os
@@ -117,7 +120,7 @@ class LengthRequests:
 
 
 def _request(state: str, questions: Mapping[str, Any]) -> dict:
-    return {"state": state, "questions": json.loads(json.dumps(questions))}
+    return {"state": state, "questions": copy.deepcopy(dict(questions))}
 
 
 def build_requests(checkpoint: Path, lengths: tuple[int, ...]) -> list[LengthRequests]:
@@ -232,7 +235,7 @@ class Run:
         self.started = time.monotonic()
         self.identity = {
             "device": args.device,
-            "checkpoint": f"synthetic {args.size} seed {args.seed}",
+            "checkpoint": str(args.checkpoint) if args.checkpoint else f"synthetic {args.size} seed {args.seed}",
             "versions": _versions(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join([Path(sys.argv[0]).name, *argv]),
@@ -399,8 +402,7 @@ def _ort_engine(run: Run, name: str, bundle: Path, fields: dict[str, Any], lengt
     verified = verify_bundle(bundle)
     processor = LayaProcessor({0: verified})
     route = WorkerRoute(**fields["route"], allowed_providers=tuple(fields["allowed_providers"]),
-                        min_fraction_on_target=fields["min_fraction_on_target"],
-                        max_io_bytes=64 * 1024 * 1024)
+                        min_fraction_on_target=fields["min_fraction_on_target"])
     started = time.perf_counter()
     client = WorkerClient.start(route, generation=1, startup_timeout=run.args.startup_timeout)
     try:
@@ -410,7 +412,7 @@ def _ort_engine(run: Run, name: str, bundle: Path, fields: dict[str, Any], lengt
         placement = report.placement
         run.add(name, "fraction_on_target", round(placement.fraction_on_target, 4), "fraction",
                 nodes_by_provider=dict(placement.nodes_by_provider), target=placement.target_provider)
-        calls = iter(range(1, 1 << 62))
+        calls = itertools.count(1)
 
         def forward(work: Mapping[str, Any]) -> dict:
             return client.run(work, request_id=f"bench-{next(calls)}", stage_id=0, epoch=0)
@@ -478,14 +480,23 @@ def resolve_bundle(run: Run, name: str, checkpoint: Path) -> Path:
         if not (path / "manifest.json").is_file():
             raise CaseSkipped(f"--bundle {name}={path} has no manifest.json (did its build fail? see the log)")
         return path
-    from omnigraph.pipelines.laya.export import build_bundle
+    import onnx
+    import torch
+
+    from omnigraph.pipelines.laya.export import EXPORTER_VERSION, build_bundle
     from omnigraph.pipelines.laya.synth import cache_root
 
-    out = cache_root() / "bundles" / f"laya-{run.args.size}-{name}-bench-{checkpoint.name}"
+    key = hashlib.sha256(json.dumps(
+        {"checkpoint": str(checkpoint.resolve()), "bundle": BUNDLES[name], "exporter": EXPORTER_VERSION,
+         "torch": torch.__version__, "onnx": onnx.__version__}, sort_keys=True).encode()).hexdigest()[:16]
+    out = cache_root() / "bundles" / f"laya-bench-{name}-{key}"
     if not out.is_dir():
         started = time.perf_counter()
         try:
             build_bundle(checkpoint, out, **BUNDLES[name])
+        except FileExistsError:
+            if not out.is_dir():  # not a concurrent builder that finished first
+                raise
         except Exception as error:
             run.bundle_failures[name] = f"the {name} bundle cannot be built: {_describe(error)}"
             raise CaseSkipped(run.bundle_failures[name]) from error
@@ -548,36 +559,42 @@ def targets(rows: list[dict], identity: Mapping[str, Any]) -> list[dict]:
 # Report
 
 
-def _table(rows: list[dict]) -> Iterator[str]:
-    yield f"{'case':<24} {'metric':<20} {'L':>4} {'tok':>4} {'value':>10} unit   detail"
+def _value(rows: list[dict], case: str, metric: str, length: int | None = None) -> Any:
+    return next((row["value"] for row in rows if row["case"] == case and row["metric"] == metric
+                 and (length is None or row.get("length") == length)), None)
+
+
+def report_lines(rows: list[dict]) -> Iterator[str]:
+    """The compact report of a run's rows (measurements and targets, as the JSON holds them)."""
+    if not rows:
+        yield "no rows"
+        return
+    first = rows[0]
+    yield (f"{first.get('gpu') or first.get('cpu')} | {first['checkpoint']} | {first['date']} | "
+           + " ".join(f"{name} {version}" for name, version in first["versions"].items()))
+    yield (f"bar, p50 ms at 64/176/512 tokens: laya reference {'/'.join(map(str, BAR_LAYA_REFERENCE_MS.values()))}, "
+           f"laya-cuda {'/'.join(map(str, BAR_LAYA_CUDA_MS.values()))} (published at 174, not 176)")
+    lengths = sorted({row["length"] for row in rows if row["case"] == "requests"})
+    tokens = {length: _value(rows, "requests", "tokens", length) for length in lengths}
+    header = "".join(f"{f'L{length} ({tokens[length]} tok)':>20}" for length in lengths)
+    yield f"{'p50 / p99 ms, batch 1':<24}{header}{'load_s':>9}{'drift':>9}{'flips':>6}"
+    timed = [row["case"] for row in rows if row["metric"] == "p50_ms"]
+    for case in dict.fromkeys(timed):
+        cells = ""
+        for length in lengths:
+            p50, p99 = _value(rows, case, "p50_ms", length), _value(rows, case, "p99_ms", length)
+            cells += f"{'-' if p50 is None else f'{p50:.3f} / {p99:.3f}':>20}"
+        load, drift, flips = (_value(rows, case, metric) for metric in ("load_s", "max_prob_drift", "decision_flips"))
+        yield f"{case:<24}{cells}{'-' if load is None else load:>9}{'-' if drift is None else drift:>9}" \
+              f"{'-' if flips is None else flips:>6}"
     for row in rows:
-        detail = row.get("detail") or row.get("precision") or ""
-        length = row.get("length") if row.get("length") is not None else ""
-        tokens = row.get("tokens") if row.get("tokens") is not None else ""
-        value = "-" if row["value"] is None else row["value"]
-        yield (f"{row['case']:<24} {row['metric']:<20} {length!s:>4} {tokens!s:>4} {value!s:>10} "
-               f"{row['unit']:<6} {str(detail)[:100]}")
-
-
-def _target_table(rows: list[dict]) -> Iterator[str]:
-    yield f"{'target':<72} {'L':>4} {'value':>9} {'goal':>7} status"
+        if row["metric"] == "status" and row["value"] != "ok":
+            yield f"{row['case']}: {row['value']}: {row.get('detail', '')}"
     for row in rows:
-        value = "-" if row["value"] is None else row["value"]
-        length = row["length"] if row["length"] is not None else ""
-        yield f"{row['metric']:<72} {length!s:>4} {value!s:>9} {row['goal']!s:>7} {row['status']}  ({row['detail']})"
-
-
-def print_report(run: Run) -> None:
-    print()
-    print(f"{run.identity.get('gpu') or run.identity.get('cpu')} | {run.identity['checkpoint']} | "
-          + " ".join(f"{k} {v}" for k, v in run.identity["versions"].items()))
-    print(f"bar: laya reference p50 {'/'.join(map(str, BAR_LAYA_REFERENCE_MS.values()))} ms, laya-cuda p50 "
-          f"{'/'.join(map(str, BAR_LAYA_CUDA_MS.values()))} ms at 64/176(174)/512 tokens")
-    for line in _table(run.rows):
-        print(line)
-    print()
-    for line in _target_table(targets(run.rows, run.identity)):
-        print(line)
+        if row["case"] == "target":
+            value = "-" if row["value"] is None else row["value"]
+            yield (f"{row['status']:>12}  {row['metric']:<64} {'' if row['length'] is None else row['length']!s:>4} "
+                   f"{value!s:>9} {row['unit']:<3} ({row['detail']})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -612,6 +629,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which no further case starts (it is recorded as skipped)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and targets here")
+    parser.add_argument("--report", type=Path, default=None, metavar="JSON",
+                        help="only print the report of an earlier (possibly partial) run's JSON")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.warmup < 0:
         parser.error("--requests must be >= 1 and --warmup >= 0")
@@ -623,6 +642,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.report is not None:
+        for line in report_lines(json.loads(args.report.read_text())):
+            print(line)
+        return 0
     run = Run(args, argv)
     if args.device == "cuda":
         import torch  # before any CUDA session: loads the CUDA libraries onnxruntime-gpu needs
@@ -664,7 +687,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{case}] {run.rows[-1]['value']} in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
         run.write()
 
-    print_report(run)
+    print()
+    for line in report_lines(run.rows + targets(run.rows, run.identity)):
+        print(line)
     return 0
 
 

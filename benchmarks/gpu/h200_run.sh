@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Issue 7 on the H200 machine: build everything there, then run benchmarks/laya_gpu.py.
+#
+# Run on the GPU machine from the repository root, after the onnxruntime-gpu join of
+# ../shared/gpu/README.md has installed it into $HOME/.ortgpu (same warm machine), with `.whl`
+# (benchmarks/gpu/fetch_wheels.sh) and `.gpu/ort-include` (the ORT headers) carried:
+#
+#   bash benchmarks/gpu/h200_run.sh
+#
+# Writes $OUT/laya_gpu.json (rows + targets, rewritten after every case) and $OUT/laya_gpu.log
+# (every step's output), and prints the compact report last. Each step's failure is logged and the
+# run goes on; the benchmark skips, with the reason, whatever a failed step left missing.
+#
+# Steps and expected wall time on the H200 machine (16 cores), about 8 minutes in all:
+#   1. install the carried wheels into $SITE                              ~5 s
+#   2. preflight: a torch-free CUDA session, versions, providers, imports ~15 s
+#   3. op library (nvcc, sm_90a) and the full synthetic checkpoint,
+#      side by side                                                       ~45 s
+#   4. the bf16, fast and fp32 bundles of that checkpoint, side by side
+#      (export + ORT validation each; 2-core CPU machine: ~5 min apiece)   ~2 min
+#   5. laya_gpu.py: laya (~45 s), laya-cuda (~15 s), then ort-fast-graph,
+#      ort-fast, ort-bf16, ort-fp32 (~45 s each: two loads, 3 x 220 calls) ~4.5 min
+# The benchmark gets --time-budget so that no case starts after about 8.5 minutes from the start
+# (BUDGET_S, default 510 s); a case cut off by the run's limit still leaves the earlier cases'
+# JSON, and this script then prints the report from it.
+#
+# Knobs (environment): OUT (default /tmp/laya-gpu-out), WORK (/tmp/laya-gpu), SITE (/tmp/site),
+# BUDGET_S, and for a dry run on a CPU machine SIZE (full), DEVICE (cuda), REQUESTS (200):
+#   SIZE=tiny DEVICE=cpu REQUESTS=3 bash benchmarks/gpu/h200_run.sh
+set -u
+
+START=$(date +%s)
+BUDGET_S=${BUDGET_S:-510}
+SIZE=${SIZE:-full}
+DEVICE=${DEVICE:-cuda}
+REQUESTS=${REQUESTS:-200}
+SITE=${SITE:-/tmp/site}
+REPO=$PWD
+OUT=${OUT:-/tmp/laya-gpu-out}
+WORK=${WORK:-/tmp/laya-gpu}
+LOG=$OUT/laya_gpu.log
+JSON=$OUT/laya_gpu.json
+mkdir -p "$OUT" "$WORK"
+: > "$LOG"
+
+export PYTHONUNBUFFERED=1
+export OMNIGRAPH_CACHE=$WORK/cache
+export PYTHONPATH=$HOME/.ortgpu:$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}
+[[ -d $REPO/.gpu/ort-include ]] && export ORT_INCLUDE_DIR=$REPO/.gpu/ort-include
+
+elapsed() { echo $(( $(date +%s) - START )); }
+log() { echo "[$(elapsed) s] $*" | tee -a "$LOG"; }
+
+# step NAME COMMAND...: run it, its output into the log, and record whether it passed.
+step() {
+  local name=$1; shift
+  local began=$(date +%s)
+  log "== $name: $*"
+  "$@" >> "$LOG" 2>&1
+  local rc=$?
+  log "== $name: exit $rc after $(( $(date +%s) - began )) s"
+  return $rc
+}
+
+# 1. wheels (laya-cuda with no dependencies: it runs on the machine's cupy-cuda13x)
+step wheels python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target "$SITE" "$REPO"/.whl/*.whl
+
+# 2. preflight. The graph workers do not import torch: they load the CUDA 13 / cuDNN 9 libraries
+# of the machine's nvidia-* packages with onnxruntime.preload_dlls(). Check that a torch-free
+# process gets a CUDA session; if not, put those libraries on the loader path of every process.
+cuda_session_check() {
+  python3 - <<'EOF'
+import onnxruntime as ort
+from onnx import TensorProto, helper
+ort.preload_dlls()
+x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2])
+y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])
+graph = helper.make_graph([helper.make_node("MatMul", ["x", "x"], ["y"])], "g", [x], [y])
+model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+options = ort.SessionOptions()
+options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+session = ort.InferenceSession(model.SerializeToString(), options, providers=["CUDAExecutionProvider"])
+print("torch-free CUDA session:", session.get_providers())
+EOF
+}
+if ! step cuda-session cuda_session_check; then
+  NVIDIA_LIBS=$(python3 -c 'import glob, os, nvidia
+print(":".join(sorted({os.path.dirname(p) for root in nvidia.__path__
+                       for p in glob.glob(os.path.join(root, "**", "lib*.so*"), recursive=True)})))')
+  export LD_LIBRARY_PATH=$NVIDIA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  log "preload_dlls was not enough: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+  step cuda-session-with-loader-path cuda_session_check
+fi
+
+step preflight python3 - <<'EOF'
+import importlib, importlib.metadata as md
+import torch
+print("torch", torch.__version__, torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0))
+import onnxruntime as ort
+print("onnxruntime", ort.__version__, ort.__file__, ort.get_available_providers())
+for dist in ("laya", "laya-cuda", "cupy-cuda13x", "pydantic", "omnigraph", "transformers"):
+    try:
+        print(dist, md.version(dist))
+    except md.PackageNotFoundError:
+        print(dist, "MISSING")
+for module in ("laya", "laya_cuda", "laya_cuda.runtime", "omnigraph.plugin.omni"):
+    try:
+        importlib.import_module(module)
+        print("import", module, "ok")
+    except Exception as error:
+        print("import", module, "FAILED:", type(error).__name__, error)
+from omnigraph.pipelines.registry import get_pipeline
+print("pipeline", get_pipeline("laya").model_type)
+EOF
+
+# 3. op library and checkpoint, side by side
+CHECKPOINT=$WORK/laya-$SIZE
+( step ops-build python3 -m omnigraph.plugin.cli --debug ops build --arch 90a --out "$WORK/ops" ) &
+OPS_PID=$!
+step synth python3 -m omnigraph.plugin.cli --debug bundle synth laya --size "$SIZE" --seed 0 --out "$CHECKPOINT"
+wait $OPS_PID
+
+# 4. bundles, side by side
+BUNDLE_PIDS=()
+for spec in "bf16:--precision bf16" "fast:--precision bf16 --fast" "fp32:--precision fp32"; do
+  name=${spec%%:*}
+  ( step "bundle-$name" timeout 300 python3 -m omnigraph.plugin.cli --debug bundle build laya \
+      --checkpoint "$CHECKPOINT" --out "$WORK/bundle-$name" ${spec#*:} ) &
+  BUNDLE_PIDS+=($!)
+done
+wait "${BUNDLE_PIDS[@]}"
+du -sh "$CHECKPOINT" "$WORK"/bundle-* >> "$LOG" 2>&1
+
+# 5. the benchmark
+LEFT=$(( BUDGET_S - $(elapsed) ))
+log "== laya_gpu.py with --time-budget $LEFT"
+python3 benchmarks/laya_gpu.py --device "$DEVICE" --size "$SIZE" --checkpoint "$CHECKPOINT" --requests "$REQUESTS" \
+  --bundle bf16="$WORK/bundle-bf16" --bundle fast="$WORK/bundle-fast" --bundle fp32="$WORK/bundle-fp32" \
+  --time-budget "$LEFT" --json "$JSON" >> "$LOG" 2>&1
+RC=$?
+log "== laya_gpu.py: exit $RC"
+
+echo
+if [[ -f $JSON ]]; then
+  python3 benchmarks/laya_gpu.py --report "$JSON"
+else
+  echo "no $JSON: the last 40 lines of the log"
+  tail -n 40 "$LOG"
+fi
