@@ -268,7 +268,7 @@ class WorkerClient:
                 self._sock, msg_type, request_id=request_id, stage_id=stage_id,
                 epoch=self._min_epoch if epoch is None else epoch,
                 generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
-                max_payload_bytes=self.route.max_io_bytes,
+                max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
             )
 
     def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",

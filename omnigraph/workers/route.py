@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from omnigraph.workers.wire import SHM_THRESHOLD_BYTES
+
 EP_PROVIDERS = {
     "cpu": "CPUExecutionProvider",
     "cuda": "CUDAExecutionProvider",
@@ -39,6 +41,8 @@ class WorkerRoute:
     ``allowed_providers`` defaults to the target provider alone; ``min_fraction_on_target`` is the
     least fraction of executed nodes the target provider must run (see placement.check_placement).
     ``gpu_mem_limit`` is the ORT arena limit in bytes (the ledger's VRAM demand).
+    ``shm_threshold_bytes``: tensors this large travel as shared memory both ways (see wire.py for
+    the measured trade-off; the best value depends on the machine).
     """
 
     name: str
@@ -54,6 +58,7 @@ class WorkerRoute:
     gpu_mem_limit: int | None = None
     intra_op_num_threads: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
+    shm_threshold_bytes: int = SHM_THRESHOLD_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -97,6 +102,8 @@ class WorkerRoute:
             isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
         ):
             raise RouteInvalid(f"route {self.name!r}: env must map strings to strings")
+        if type(self.shm_threshold_bytes) is not int or self.shm_threshold_bytes < 1:
+            raise RouteInvalid(f"route {self.name!r}: shm_threshold_bytes must be an integer >= 1")
         object.__setattr__(self, "allowed_providers", allowed)
         object.__setattr__(self, "min_fraction_on_target", float(self.min_fraction_on_target))
         object.__setattr__(self, "provider_options", MappingProxyType(dict(self.provider_options)))

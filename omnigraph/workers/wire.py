@@ -27,7 +27,7 @@ Tensor descriptor: ``{"name", "dtype", "shape", "nbytes"}`` plus exactly one of 
 (inline: byte offset into the payload) or ``"fd"`` (shared memory: index of the file descriptor
 passed with the frame). ``nbytes`` must equal prod(shape) * itemsize.
 
-Shared memory: a tensor of at least SHM_THRESHOLD_BYTES goes in an anonymous memory file
+Shared memory: a tensor of at least SHM_THRESHOLD_BYTES (64 MiB) goes in an anonymous memory file
 (``memfd_create``) whose descriptor travels with the frame as SCM_RIGHTS ancillary data on the Unix
 socket (feature ``"shm_fd"``). Ownership: the sender creates the file, writes the tensor, sends the
 descriptor and closes its own copy right after ``sendmsg`` (also on error); the receiver maps it
@@ -100,9 +100,11 @@ MAX_NAME_CHARS = 256
 # Why: tensors start on cache lines within the payload; the receive buffer itself comes from
 # numpy's allocator (16-byte aligned), so every array view is aligned for its dtype.
 TENSOR_ALIGNMENT = 64
-# Why: below this the two socket copies cost less than memfd_create + mmap + page faults;
-# measured with benchmarks/wire.py (1 MiB tensors are faster through memory files).
-SHM_THRESHOLD_BYTES = 256 * 1024
+# Why: on the project's machines (a Firecracker VM, a gVisor GPU host) mapping fresh memory-file
+# pages costs more than the two socket copies of an inline tensor at every size measured up to
+# 64 MiB (2.5-4x; benchmarks/wire.py and its results); memory files stay for the largest tensors,
+# where they keep a full-size copy out of the kernel's socket buffers.
+SHM_THRESHOLD_BYTES = 64 * 1024 * 1024
 # Why: bounds the ancillary buffer; one fd per large tensor.
 MAX_FDS = MAX_TENSORS
 # Why: a frame's integers must survive a round trip through any JSON reader (int64 range).
@@ -282,6 +284,9 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * 4)
+# Copy-on-write (the arrays are the receiver's to change), faulted in with one call rather than
+# one page fault per 4 KiB page on first touch.
+_MAP_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
 _DESCRIPTOR_REQUIRED = frozenset({"name", "dtype", "shape", "nbytes"})
 _DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape", "nbytes", "offset", "fd"})
 
@@ -689,7 +694,7 @@ def read_payload(sock: socket.socket, frame: Frame) -> dict[str, np.ndarray]:
         for desc in frame.tensors:
             dtype = WIRE_DTYPES[desc.dtype]
             if desc.fd is not None:
-                mapping = mmap.mmap(frame.fds[desc.fd], desc.nbytes, access=mmap.ACCESS_COPY)
+                mapping = mmap.mmap(frame.fds[desc.fd], desc.nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
                 arrays[desc.name] = np.ndarray(desc.shape, dtype, buffer=mapping)
             else:
                 arrays[desc.name] = np.ndarray(desc.shape, dtype, buffer=payload, offset=desc.offset)

@@ -189,7 +189,8 @@ class GraphWorker:
     def _send(self, msg_type: str, **fields: Any) -> None:
         wire.send_frame(
             self._sock, msg_type, generation=self._generation, instance=self._instance,
-            max_payload_bytes=self._route.max_io_bytes, **fields,
+            max_payload_bytes=self._route.max_io_bytes, shm_threshold_bytes=self._route.shm_threshold_bytes,
+            **fields,
         )
 
 

@@ -17,6 +17,8 @@ from omnigraph.workers.client import WorkerClient
 from omnigraph.workers.route import WorkerRoute
 
 OPSET = [oh.make_opsetid("", 17)]
+# IR 10: what every onnxruntime since 1.16 reads (onnx 1.23 would write 14, too new for ORT 1.31).
+IR_VERSION = 10
 
 
 def _has_cuda() -> bool:
@@ -42,7 +44,7 @@ def affine_graph() -> onnx.ModelProto:
         oh.make_node("ReduceSum", ["ids", "axes"], ["z"], name="sum_ids", keepdims=0),
     ]
     graph = oh.make_graph(nodes, "affine", [x, ids], [y, z], initializer=[two, one, axes])
-    return oh.make_model(graph, opset_imports=OPSET)
+    return oh.make_model(graph, opset_imports=OPSET, ir_version=IR_VERSION)
 
 
 def slow_graph(width: int = 1024, depth: int = 24) -> onnx.ModelProto:
@@ -56,7 +58,7 @@ def slow_graph(width: int = 1024, depth: int = 24) -> onnx.ModelProto:
         previous = f"h{i}"
     nodes.append(oh.make_node("Identity", [previous], ["y"], name="out"))
     graph = oh.make_graph(nodes, "slow", [x], [y], initializer=[onnx.numpy_helper.from_array(weight, "w")])
-    return oh.make_model(graph, opset_imports=OPSET)
+    return oh.make_model(graph, opset_imports=OPSET, ir_version=IR_VERSION)
 
 
 def pack_graph(folder: Path, model: onnx.ModelProto, example: dict[str, np.ndarray] | None) -> VerifiedBundle:

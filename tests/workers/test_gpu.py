@@ -14,7 +14,7 @@ from omnigraph.workers.errors import PlacementRefused
 from omnigraph.workers.route import WorkerRoute
 from omnigraph.workers.session import MAX_CUDA_GRAPHS
 
-from .conftest import OPSET, affine_inputs, pack_graph, requires_cuda
+from .conftest import IR_VERSION, OPSET, affine_inputs, pack_graph, requires_cuda
 
 pytestmark = [pytest.mark.gpu, requires_cuda]
 CUDA, CPU = "CUDAExecutionProvider", "CPUExecutionProvider"
@@ -36,7 +36,7 @@ def mlp_graph(width: int = 64) -> onnx.ModelProto:
         oh.make_node("Relu", ["hb"], ["r"], name="relu"),
         oh.make_node("MatMul", ["r", "w2"], ["y"], name="mm2"),
     ]
-    return oh.make_model(oh.make_graph(nodes, "mlp", [x], [y], initializer=inits), opset_imports=OPSET)
+    return oh.make_model(oh.make_graph(nodes, "mlp", [x], [y], initializer=inits), opset_imports=OPSET, ir_version=IR_VERSION)
 
 
 def split_graph() -> onnx.ModelProto:
@@ -49,11 +49,13 @@ def split_graph() -> onnx.ModelProto:
         oh.make_node("Relu", ["m"], ["r"], name="relu"),
         oh.make_node("Det", ["r"], ["d"], name="det"),
     ]
-    return oh.make_model(oh.make_graph(nodes, "split", [x], [d], initializer=[w]), opset_imports=OPSET)
+    return oh.make_model(oh.make_graph(nodes, "split", [x], [d], initializer=[w]), opset_imports=OPSET, ir_version=IR_VERSION)
 
 
 def cuda_route(**fields) -> WorkerRoute:
-    return WorkerRoute(**{"name": "gpu", "interpreter": sys.executable, "ep": "cuda", "gpu_mem_limit": 2 << 30, **fields})
+    # use_tf32 off: Hopper's TF32 MatMuls round to 10 mantissa bits, the CPU reference does not
+    return WorkerRoute(**{"name": "gpu", "interpreter": sys.executable, "ep": "cuda", "gpu_mem_limit": 2 << 30,
+                          "provider_options": {"use_tf32": 0}, **fields})
 
 
 def test_io_binding_calls_match_the_cpu(start_worker, affine_bundle):

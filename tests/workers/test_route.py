@@ -59,6 +59,7 @@ def test_json_round_trip():
     ({"intra_op_num_threads": 0}, "intra_op_num_threads"),
     ({"env": {"A": 1}}, "env"),
     ({"provider_options": {"a": [1]}}, "provider_options"),
+    ({"shm_threshold_bytes": 0}, "shm_threshold_bytes"),
 ])
 def test_invalid_fields_are_refused(fields, message):
     with pytest.raises(RouteInvalid, match=message):

@@ -71,7 +71,7 @@ def test_round_trip_every_dtype_inline_and_shared(pair):
     }
     before = open_fds()
     wire.send_frame(a, "run", request_id="req-1", stage_id=2, epoch=3, generation=4, instance="abc",
-                    body={"k": [1, "x"]}, tensors=tensors, max_payload_bytes=CAP)
+                    body={"k": [1, "x"]}, tensors=tensors, max_payload_bytes=CAP, shm_threshold_bytes=256 * 1024)
     frame, arrays = wire.recv_message(b, max_payload_bytes=CAP)
     assert (frame.type, frame.request_id, frame.stage_id, frame.epoch, frame.generation, frame.instance) == ("run", "req-1", 2, 3, 4, "abc")
     assert frame.body == {"k": [1, "x"]}

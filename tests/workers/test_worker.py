@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -47,8 +48,8 @@ def test_hello_names_the_process_and_its_software(start_worker, cpu_route):
     assert client.generation == 1
 
 
-def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle):
-    client = start_worker()
+def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle, cpu_route):
+    client = start_worker(dataclasses.replace(cpu_route, shm_threshold_bytes=256 * 1024))
     report = client.load(affine_bundle.manifest_path)
     assert report.manifest_sha256 == affine_bundle.manifest_sha256 and report.component == "test.graph"
     assert report.session_providers == ("CPUExecutionProvider",)

@@ -107,7 +107,7 @@ def test_outputs_over_the_cap_are_refused_not_sent(raw_worker, tmp_path):
     x = oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["n"])
     y = oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["m"])
     doubling = oh.make_model(oh.make_graph([oh.make_node("Concat", ["x", "x"], ["y"], axis=0)], "double", [x], [y]),
-                             opset_imports=[oh.make_opsetid("", 17)])
+                             opset_imports=[oh.make_opsetid("", 17)], ir_version=10)
     bundle = pack_graph(tmp_path / "double", doubling, {"x": np.ones(4, np.float32)})
     wire.send_frame(sock, "load", generation=7, instance=instance, body={"manifest_path": str(bundle.manifest_path)},
                     max_payload_bytes=CAP)
