@@ -85,6 +85,8 @@ class OmniBase:
                  bundle: str | Path | None = None, *, max_queued_requests: int | None = None,
                  startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, warmup: bool = True) -> None:
         self.pipeline, self.deploy = build_plan(model, deploy_config, bundle)
+        self._final_stage_id = self.pipeline.final_stage.stage_id
+        self._final_output_type = self.pipeline.final_output_type
         self.runtime = StageRuntime(self.pipeline, self.deploy, startup_timeout=startup_timeout)
         self.runtime.start()
         try:
@@ -150,9 +152,9 @@ class OmniBase:
     def _output(self, request: RequestState, result: Any) -> OmniRequestOutput:
         return OmniRequestOutput(
             request_id=request.request_id,
-            stage_id=self.pipeline.final_stage.stage_id,
+            stage_id=self._final_stage_id,
             finished=True,
-            final_output_type=self.pipeline.final_output_type,
+            final_output_type=self._final_output_type,
             custom_output=result,
             stage_durations=dict(request.stage_durations),
             _release=lambda: self.orchestrator.acknowledge(request),
@@ -247,8 +249,8 @@ class Omni(OmniBase):
             output = self._output(request, request.wait())
         except Exception as exc:
             output = OmniRequestOutput(
-                request_id=request.request_id, stage_id=self.pipeline.final_stage.stage_id, finished=True,
-                final_output_type=self.pipeline.final_output_type, custom_output=None,
+                request_id=request.request_id, stage_id=self._final_stage_id, finished=True,
+                final_output_type=self._final_output_type, custom_output=None,
                 stage_durations=dict(request.stage_durations), error=f"{type(exc).__name__}: {exc}",
             )
         self.orchestrator.acknowledge(request)

@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -61,12 +62,14 @@ class RequestState:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
     def record(self, stage_id: int, seconds: float) -> None:
+        """Add a finished call's duration to its stage's total."""
         with self._lock:
             self.stage_durations[stage_id] = self.stage_durations.get(stage_id, 0.0) + seconds
 
-    def store(self, index: int, outputs: Mapping[str, np.ndarray]) -> bool:
-        """Keep one work item's final outputs; True when it was the last one outstanding."""
+    def store(self, stage_id: int, seconds: float, index: int, outputs: Mapping[str, np.ndarray]) -> bool:
+        """Record the final stage's call and keep its outputs; True when no work item is outstanding."""
         with self._lock:
+            self.stage_durations[stage_id] = self.stage_durations.get(stage_id, 0.0) + seconds
             self._outputs[index] = outputs
             self._remaining -= 1
             return self._remaining == 0
@@ -173,7 +176,6 @@ class Orchestrator:
     def submit(self, prompt: Mapping[str, Any], *, request_id: str | None = None,
                deadline_s: float | None = None) -> RequestState:
         """Prepare and admit a request; raises `RequestInvalid`, `ResourceUnavailable`, `StageUnavailable`."""
-        self._check_open()
         return self.admit(self.processor.prepare(prompt), request_id=request_id, deadline_s=deadline_s)
 
     def admit(self, prepared: PreparedRequest, *, request_id: str | None = None,
@@ -245,12 +247,12 @@ class Orchestrator:
         """In the replica thread: hand the outputs to the next stage, or finish the request."""
         request = item.request
         stage = self._chain[item.position]
-        request.record(stage.stage_id, seconds)
         position = item.position + 1
         if position == len(self._chain):
-            if request.store(item.index, outputs):
+            if request.store(stage.stage_id, seconds, item.index, outputs):
                 self._finish(request)
             return
+        request.record(stage.stage_id, seconds)
         following = self._chain[position]
         try:
             produced = following.handoff({stage.stage_id: outputs}, request.prepared.work[item.index])

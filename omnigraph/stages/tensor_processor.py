@@ -7,7 +7,8 @@ fault) before anything is queued.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -23,7 +24,7 @@ class TensorProcessor:
         self._specs = dict(entry_specs)
 
     def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
-        if not isinstance(request, Mapping) or set(request) != {"tensors"}:
+        if not isinstance(request, Mapping) or len(request) != 1 or "tensors" not in request:
             raise RequestInvalid("tensors", 'a raw graph pipeline takes {"tensors": {name: numpy array}}')
         try:
             tensors = check_tensors("tensors", request["tensors"], self._specs)

@@ -7,7 +7,8 @@ a precise error naming the stage and tensor instead of a remote failure after a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -50,7 +51,7 @@ def input_specs(report: LoadReport) -> dict[str, InputSpec]:
 
 def check_tensors(where: str, tensors: Any, specs: Mapping[str, InputSpec]) -> dict[str, np.ndarray]:
     """`tensors` if it is exactly the declared inputs with matching dtypes and shapes."""
-    if not isinstance(tensors, Mapping):
+    if type(tensors) is not dict and not isinstance(tensors, Mapping):  # dict: the common case, checked fast
         raise HandoffInvalid(f"{where}: expected a mapping of input name -> array, got {type(tensors).__name__}")
     if tensors.keys() != specs.keys():
         missing = sorted(specs.keys() - tensors.keys())
