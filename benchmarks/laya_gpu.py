@@ -274,13 +274,17 @@ class Run:
 
 
 def _versions() -> dict[str, str]:
+    import onnxruntime
+
     versions = {"python": platform.python_version()}
-    for dist in ("omnigraph", "laya", "laya-cuda", "torch", "transformers", "onnxruntime", "onnxruntime-gpu",
-                 "cupy-cuda13x", "numpy"):
+    for dist in ("omnigraph", "laya", "laya-cuda", "torch", "transformers", "cupy-cuda13x", "numpy"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             pass
+    # The module that imports, not a distribution's metadata: the GPU machine holds the CPU
+    # onnxruntime in site-packages and onnxruntime-gpu first on PYTHONPATH.
+    versions["onnxruntime"] = f"{onnxruntime.__version__} ({', '.join(onnxruntime.get_available_providers())})"
     return versions
 
 
@@ -646,13 +650,13 @@ def main(argv: list[str] | None = None) -> int:
         for line in report_lines(json.loads(args.report.read_text())):
             print(line)
         return 0
-    run = Run(args, argv)
     if args.device == "cuda":
-        import torch  # before any CUDA session: loads the CUDA libraries onnxruntime-gpu needs
+        import torch  # before onnxruntime: loads the CUDA libraries onnxruntime-gpu needs
 
         if not torch.cuda.is_available():
             print("--device cuda but torch sees no CUDA device", file=sys.stderr)
             return 2
+    run = Run(args, argv)
     run.identity["gpu" if args.device == "cuda" else "cpu"] = _device_name(args.device)
 
     from omnigraph.pipelines.laya.synth import cached_checkpoint
