@@ -9,7 +9,8 @@ import pytest
 REFUND_REQUEST = {"state": "Please refund the duplicate charge.",
                   "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}}
 
-AUDIT_KEYS = {"model_hash", "calibration_version", "prompt_template_sha256", "allowed_token_set_hash", "precision"}
+AUDIT_KEYS = {"model_hash", "calibration_version", "prompt_template_sha256", "allowed_token_set_hash", "precision",
+              "backend"}
 
 
 def _post(server, path, body=None, **kwargs):
@@ -31,6 +32,7 @@ def test_readme_refund_example_is_a_well_formed_answer(demo_server):
     assert 0.0 <= refund["action"]["act_probability"] <= 1.0
     assert body["usage"]["input_tokens"] > 0 and body["usage"]["output_tokens"] == 0
     assert AUDIT_KEYS <= body["audit"].keys()
+    assert body["audit"]["backend"].startswith("onnxruntime ") and "CPUExecutionProvider" in body["audit"]["backend"]
 
 
 def test_choice_and_score_answers_carry_probabilities(demo_server):

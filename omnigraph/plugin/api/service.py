@@ -42,6 +42,9 @@ class DecisionEngine(Protocol):
 
     def audit(self) -> dict: ...
 
+    @property
+    def execution_plan(self) -> dict[str, Any]: ...
+
     def warmup_request(self) -> dict: ...
 
     def failure(self) -> str | None: ...
@@ -51,6 +54,15 @@ class DecisionEngine(Protocol):
     def ledger_snapshot(self) -> dict[str, Any]: ...
 
     def shutdown(self) -> None: ...
+
+
+def backend_description(execution_plan: Mapping[str, Any]) -> str:
+    """What computes the answers, stage by stage, e.g. `onnxruntime 1.32.0 CPUExecutionProvider`."""
+    stages = []
+    for stage in execution_plan["stages"]:
+        replica = stage["replicas"][0]
+        stages.append(f"onnxruntime {replica['onnxruntime_version']} {replica['session_providers'][0]}")
+    return " -> ".join(stages)
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class DecisionService:
         """Start the engine in a thread, then pass the warmup request through it; record any failure."""
         try:
             self.engine = await asyncio.to_thread(self._start_engine)
-            self._audit = self.engine.audit()
+            self._audit = {**self.engine.audit(), "backend": backend_description(self.engine.execution_plan)}
             warmup = self.engine.warmup_request()
             await self.decide(warmup, request_id=f"warmup-{uuid.uuid4().hex}", deadline_s=WARMUP_DEADLINE_S)
         except Exception as exc:  # startup failure: reported by /health and /ready, never a hang
