@@ -1,0 +1,155 @@
+"""The decision group: HTTP requests to a server and the status (and answers) each must get.
+
+`send`: `{"method"?: "POST", "path": "/v1/systemone", "content_type"?: str | null,` and one body:
+`"json": value` (serialised compactly), `"text": str` (sent as UTF-8, surrogates kept as their
+bytes), `"hex": str` (raw bytes), or `"repeat": {"prefix", "unit", "times", "suffix"}` (a large text
+body built here)`}`. `content_type` defaults to `application/json` when a body is sent; null
+sends none.
+
+`setup`: `{"ready_path", "ready_timeout_s"}`: before the first case the runner polls GET ready_path
+until it answers 200 (a server answers 503 while it warms up), failing the group if it never does.
+
+`expect`: `{"status": int, "field"?: str}` where `field` is the dotted input the error body must
+blame; for a 200 from `/v1/systemone` also `"answers"` and `"usage"` as the reference produced
+them (see README: generated once with the `laya` package on the synthetic tiny checkpoint),
+compared within `tolerance` (numbers) and exactly (answer labels, types, keys).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.client
+import json
+import math
+import time
+from typing import Any, Iterator, Mapping
+from urllib.parse import urlsplit
+
+from omnigraph.conformance.report import CaseFailed, CaseRunner
+from omnigraph.conformance.suite import Case, FixtureInvalid, Group
+from omnigraph.conformance.targets import Target
+
+# Why: the first request may wait for a cold worker; none of these takes long on a warm server.
+REQUEST_TIMEOUT_S = 120.0
+JSON_CONTENT_TYPE = "application/json"
+READY_POLL_S = 0.5
+
+
+class ServerNotReady(RuntimeError):
+    """The server did not report ready within the group's ready_timeout_s."""
+
+
+@contextlib.contextmanager
+def open_runner(group: Group, target: Target) -> Iterator[CaseRunner]:
+    parts = urlsplit(target.base_url)
+    connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    _wait_ready(connection_class, parts.netloc, group.setup["ready_path"], group.setup["ready_timeout_s"])
+
+    def check(case: Case) -> None:
+        status, body = _request(connection_class, parts.netloc, case)
+        _check_response(case, status, body)
+
+    yield check
+
+
+def _wait_ready(connection_class: type, netloc: str, path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        connection = connection_class(netloc, timeout=READY_POLL_S * 10)
+        try:
+            connection.request("GET", path)
+            response = connection.getresponse()
+            response.read()
+            if response.status == 200:
+                return
+            last = f"status {response.status}"
+        except (OSError, http.client.HTTPException) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        finally:
+            connection.close()
+        time.sleep(READY_POLL_S)
+    raise ServerNotReady(f"GET {path} did not answer 200 within {timeout_s} s (last: {last})")
+
+
+def request_body(send: Mapping[str, Any], *, where: str) -> bytes | None:
+    """The bytes a case sends (None: no body)."""
+    kinds = [key for key in ("json", "text", "hex", "repeat") if key in send]
+    if len(kinds) > 1:
+        raise FixtureInvalid(f"{where}: give at most one of json, text, hex, repeat (got {kinds})")
+    if not kinds:
+        return None
+    kind = kinds[0]
+    if kind == "json":
+        return json.dumps(send["json"], separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    if kind == "text":
+        return send["text"].encode("utf-8", "surrogatepass")
+    if kind == "hex":
+        return bytes.fromhex(send["hex"])
+    repeat = send["repeat"]
+    return (repeat["prefix"] + repeat["unit"] * repeat["times"] + repeat["suffix"]).encode()
+
+
+def _request(connection_class: type, netloc: str, case: Case) -> tuple[int, bytes]:
+    send = case.send
+    body = request_body(send, where=case.id)
+    headers = {"accept": JSON_CONTENT_TYPE}
+    content_type = send.get("content_type", JSON_CONTENT_TYPE if body is not None else None)
+    if content_type is not None:
+        headers["content-type"] = content_type
+    connection = connection_class(netloc, timeout=REQUEST_TIMEOUT_S)
+    try:
+        connection.request(send.get("method", "POST"), send["path"], body=body, headers=headers)
+        response = connection.getresponse()
+        return response.status, response.read()
+    except (OSError, http.client.HTTPException) as exc:
+        # A server may answer an oversized body early and close; that answer is still what counts.
+        raise CaseFailed(f"no HTTP answer: {type(exc).__name__}: {exc}") from None
+    finally:
+        connection.close()
+
+
+def _check_response(case: Case, status: int, raw: bytes) -> None:
+    expect = case.expect
+    if status != expect["status"]:
+        raise CaseFailed(f"status {status}, expected {expect['status']}; body: {raw[:300]!r}")
+    if "field" not in expect and "answers" not in expect:
+        return
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise CaseFailed(f"the {status} body is not JSON: {raw[:300]!r}") from None
+    if "field" in expect and (not isinstance(body, dict) or body.get("field") != expect["field"]):
+        got = body.get("field") if isinstance(body, dict) else None
+        raise CaseFailed(f"the error blames field {got!r}, expected {expect['field']!r}: {raw[:300]!r}")
+    if "answers" in expect:
+        tolerance = expect["tolerance"]
+        problems = _compare(expect["answers"], body.get("answers"), "answers", tolerance)
+        usage = body.get("usage") or {}
+        problems += [
+            f"usage.{key}: {usage.get(key)!r} != expected {value!r}" for key, value in expect["usage"].items() if usage.get(key) != value
+        ]
+        if problems:
+            raise CaseFailed("; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
+
+
+def _compare(expected: Any, actual: Any, path: str, tolerance: float) -> list[str]:
+    """Differences between an expected and an actual JSON value (numbers within `tolerance`)."""
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict):
+            return [f"{path}: {actual!r} is not an object"]
+        problems = [f"{path}: keys {sorted(actual)} != expected {sorted(expected)}"] if set(actual) != set(expected) else []
+        for key in expected.keys() & actual.keys():
+            problems += _compare(expected[key], actual[key], f"{path}.{key}", tolerance)
+        return problems
+    if isinstance(expected, bool) or isinstance(expected, str) or expected is None:
+        return [] if actual == expected and type(actual) is type(expected) else [f"{path}: {actual!r} != expected {expected!r}"]
+    if isinstance(expected, (int, float)):
+        if isinstance(actual, bool) or not isinstance(actual, (int, float)) or not math.isfinite(actual):
+            return [f"{path}: {actual!r} is not a number"]
+        return [] if abs(actual - expected) <= tolerance else [f"{path}: {actual} != expected {expected} (tolerance {tolerance})"]
+    if isinstance(expected, list):
+        if not isinstance(actual, list) or len(actual) != len(expected):
+            return [f"{path}: {actual!r} != expected {expected!r}"]
+        return [p for i, (e, a) in enumerate(zip(expected, actual)) for p in _compare(e, a, f"{path}.{i}", tolerance)]
+    raise FixtureInvalid(f"{path}: unexpected value {expected!r} in a fixture")
