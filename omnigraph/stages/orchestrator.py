@@ -230,18 +230,22 @@ class Orchestrator:
             return False
         with self._lock:
             self.epoch += 1
-        for stage in self._chain:
-            for replica in stage.replicas:
-                replica.interrupt(request_id, f"request {request_id} cancelled during its call")
+        self._interrupt(request_id, f"request {request_id} cancelled during its call")
         return True
 
+    def _interrupt(self, request_id: str, reason: str) -> None:
+        for stage in self._chain:
+            for replica in stage.replicas:
+                replica.interrupt(request_id, reason)
+
     def close(self) -> None:
-        """Refuse new requests and fail every unfinished one (in-flight calls finish first)."""
+        """Refuse new requests and fail every unfinished one; calls in flight for them retire their workers."""
         with self._lock:
             self._closed = True
             pending = list(self._active.values())
         for request in pending:
-            request.reject(PipelineClosed(f"request {request.request_id}: the pipeline shut down"))
+            if request.reject(PipelineClosed(f"request {request.request_id}: the pipeline shut down")):
+                self._interrupt(request.request_id, f"request {request.request_id} in flight at shutdown")
 
     def _advance(self, item: _WorkItem, outputs: dict[str, np.ndarray], seconds: float) -> None:
         """In the replica thread: hand the outputs to the next stage, or finish the request."""

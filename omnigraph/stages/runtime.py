@@ -99,11 +99,11 @@ class GraphStage:
                     item.fail(error)
 
     def stop(self, timeout: float) -> None:
-        """Let serving threads finish their current call, then stop and close every worker."""
-        serving = [r for r in self.replicas if r.serving]
-        for _ in serving:
-            self.queue.put(STOP)
-        for replica in serving:
+        """Stop every replica thread (a retiring one first verifies its worker's exit), then close the workers."""
+        for replica in self.replicas:
+            if replica.serving:
+                self.queue.put(STOP)
+        for replica in self.replicas:
             replica.join(timeout)
         for replica in self.replicas:
             replica.close(timeout)

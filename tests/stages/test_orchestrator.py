@@ -1,7 +1,6 @@
 """The orchestrator through AsyncOmni/Omni: admission, handoff checks, cancellation, replicas, deadlines."""
 
 import asyncio
-import time
 
 import numpy as np
 import pytest
@@ -11,6 +10,7 @@ from omnigraph.pipelines.processor import RequestInvalid
 from omnigraph.stages.errors import (
     DeadlineExceeded,
     HandoffInvalid,
+    PipelineClosed,
     RequestCancelled,
     ResourceUnavailable,
     StageUnavailable,
@@ -190,3 +190,37 @@ def test_omni_batches_beyond_the_admission_bound(make_plan):
         outputs = omni.generate([{"tensors": {"x": x}} for x in inputs])
     assert [o.error for o in outputs] == [None] * 7
     assert all(np.array_equal(o.custom_output["y"], 2 * x + 1) for o, x in zip(outputs, inputs))
+
+
+def test_a_deadline_inside_a_call_retires_that_worker_only(make_plan):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("slow", replicas=2, capacity=100, demand=10)) as omni:
+            with pytest.raises(DeadlineExceeded, match="deadline passed inside stage 0"):
+                await first(omni, BIG, "late", deadline_s=0.5)
+            await until_retired(omni)
+            after = await first(omni, SMALL, "after")
+            return after, sorted(r["state"] for r in replicas(omni)), omni.ledger_snapshot()
+
+    after, states, ledger = asyncio.run(main())
+    assert after.custom_output["h200"].shape == (4, 4)
+    assert states == ["retired", "serving"]
+    assert ledger["constraints"]["machine:ram"] == {"capacity": 100, "held": 10, "quarantined": 0, "free": 90}
+
+
+def test_shutdown_with_a_call_in_flight(make_plan, os_processes):
+    async def main():
+        omni = AsyncOmni(deploy_config=make_plan("slow", capacity=100, demand=10))
+        task = asyncio.create_task(first(omni, BIG, "in-flight"))
+        await until_in_flight(omni, "in-flight")
+        await asyncio.to_thread(omni.shutdown)
+        with pytest.raises(PipelineClosed):
+            await task
+        with pytest.raises(PipelineClosed):
+            await first(omni, SMALL, "too-late")
+        return omni.ledger_snapshot(), replicas(omni)[0]
+
+    ledger, replica = asyncio.run(main())
+    assert ledger["reservations"] == [] and ledger["constraints"]["machine:ram"]["free"] == 100
+    assert os_processes.children() == set()
+    # the call was not waited for: its worker was retired (killed), its exit verified
+    assert replica["retired_reason"] == "request in-flight in flight at shutdown" and replica["exit_verified"]
