@@ -31,7 +31,7 @@ def run_suite(suite: str = "v1", target: str | Target = "inproc", group: str | N
         fixtures.group(group)  # a KeyError naming the groups if it does not exist
         if not target.runs(group):
             raise GroupNotApplicable(
-                f"group {group!r} does not apply to a {target.kind} target "
+                f"group {group!r} does not apply to the {target.kind} target "
                 f"(it runs: {', '.join(GROUPS_BY_KIND[target.kind])})"
             )
     results: list[CaseResult] = []
@@ -41,7 +41,7 @@ def run_suite(suite: str = "v1", target: str | Target = "inproc", group: str | N
         if target.runs(fixture_group.name):
             results += _run_group(fixture_group, target)
         else:
-            reason = f"group {fixture_group.name} does not apply to a {target.kind} target"
+            reason = f"group {fixture_group.name} does not apply to the {target.kind} target"
             results += [_result(fixture_group, case, Status.SKIPPED, reason) for case in fixture_group.cases]
     return SuiteReport(suite=suite, target=str(target), results=tuple(results))
 
