@@ -74,7 +74,7 @@ import struct
 import sys
 import tempfile
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import numpy as np
 
@@ -232,9 +232,9 @@ class PeerClosed(EOFError):
     """The peer closed the stream at a frame boundary (a clean end, not a wire fault)."""
 
 
-@dataclass(frozen=True)
-class TensorDescriptor:
-    """Where one tensor of a frame lies: ``offset`` into the payload, or ``fd`` index."""
+class TensorDescriptor(NamedTuple):
+    """Where one tensor of a frame lies: ``offset`` into the payload, or ``fd`` index (a named
+    tuple: built once per tensor per frame, so it must be cheap)."""
 
     name: str
     dtype: str
@@ -244,7 +244,7 @@ class TensorDescriptor:
     fd: int | None
 
 
-@dataclass
+@dataclass(slots=True)
 class Frame:
     """A validated prefix + header; the payload is still on the stream (``payload_nbytes``).
 
@@ -287,8 +287,6 @@ _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * 4)
 # Copy-on-write (the arrays are the receiver's to change), faulted in with one call rather than
 # one page fault per 4 KiB page on first touch.
 _MAP_FLAGS = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-_DESCRIPTOR_REQUIRED = frozenset({"name", "dtype", "shape", "nbytes"})
-_DESCRIPTOR_KEYS = frozenset({"name", "dtype", "shape", "nbytes", "offset", "fd"})
 
 
 def _align(n: int) -> int:
@@ -369,36 +367,32 @@ def send_frame(
     if len(tensors) > MAX_TENSORS:
         raise TooManyTensors(f"{len(tensors)} tensors, at most {MAX_TENSORS}")
     descriptors: list[dict[str, Any]] = []
-    buffers: list[Any] = []
+    buffers: list[Any] = [b""]  # [0]: prefix + header, filled in below
     fds: list[int] = []
     total = 0
     offset = 0
     try:
         for name, array in tensors.items():
-            array = np.asarray(array)
-            dtype = wire_dtype_of(array)
+            if type(array) is not np.ndarray:
+                array = np.asarray(array)
+            dtype = _NUMPY_TO_WIRE.get(array.dtype) or wire_dtype_of(array)
             if array.ndim > MAX_RANK:
                 raise BadShape(f"tensor {name!r} has rank {array.ndim}, at most {MAX_RANK}")
-            total += array.nbytes
+            nbytes = array.nbytes
+            total += nbytes
             if total > max_payload_bytes:
-                raise PayloadTooLarge(
-                    f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})"
-                )
-            desc: dict[str, Any] = {
-                "name": name, "dtype": dtype, "shape": list(array.shape), "nbytes": array.nbytes
-            }
+                raise PayloadTooLarge(f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})")
             data = _as_bytes(array)
-            if array.nbytes >= shm_threshold_bytes and array.nbytes > 0:
-                desc["fd"] = len(fds)
+            if nbytes >= shm_threshold_bytes and nbytes > 0:
+                descriptors.append({"name": name, "dtype": dtype, "shape": array.shape, "nbytes": nbytes, "fd": len(fds)})
                 fds.append(_shared_memory_file(memoryview(data)))
             else:
-                desc["offset"] = offset
+                descriptors.append({"name": name, "dtype": dtype, "shape": array.shape, "nbytes": nbytes, "offset": offset})
                 buffers.append(data)
-                padding = _align(array.nbytes) - array.nbytes
-                if padding:
-                    buffers.append(_PADDING[:padding])
-                offset += _align(array.nbytes)
-            descriptors.append(desc)
+                extent = _align(nbytes)
+                if extent != nbytes:
+                    buffers.append(_PADDING[: extent - nbytes])
+                offset += extent
         header = {
             "v": WIRE_VERSION,
             "type": msg_type,
@@ -409,22 +403,22 @@ def send_frame(
             "instance": instance,
             "features_required": [FEATURE_SHM_FD] if fds else [],
             "tensors": descriptors,
-            "body": dict(body or {}),
+            "body": body if body is not None else {},
         }
         header_bytes = _ENCODER.encode(header).encode()
         if len(header_bytes) > MAX_HEADER_BYTES:
             raise HeaderTooLarge(f"header of {len(header_bytes)} bytes, at most {MAX_HEADER_BYTES}")
-        prefix = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0)
-        _sendmsg_all(sock, [prefix + header_bytes, *buffers], fds)
+        buffers[0] = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0) + header_bytes
+        _sendmsg_all(sock, buffers, len(buffers[0]) + offset, fds)
     finally:
         for fd in fds:
             os.close(fd)
 
 
-def _sendmsg_all(sock: socket.socket, buffers: list[Any], fds: list[int]) -> None:
+def _sendmsg_all(sock: socket.socket, buffers: list[Any], total: int, fds: list[int]) -> None:
     ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, np.array(fds, np.int32).tobytes())] if fds else []
     sent = sock.sendmsg(buffers, ancillary)
-    if sent == sum(len(b) for b in buffers):
+    if sent == total:
         return
     pending = [memoryview(b).cast("B") for b in buffers]
     ancillary = []  # the descriptors travel once, with the first bytes
@@ -458,26 +452,33 @@ def _recv_exact_into(sock: socket.socket, view: memoryview) -> None:
 
 def _recv_prefix(sock: socket.socket) -> tuple[bytes, list[int]]:
     """The prefix bytes and the descriptors that came with them (SCM_RIGHTS)."""
-    data = b""
+    data, ancdata, flags, _ = sock.recvmsg(PREFIX_BYTES, _ANCILLARY_BYTES)
+    if len(data) == PREFIX_BYTES and not ancdata and not flags:  # the usual case
+        return data, []
     fds: list[int] = []
     try:
+        _collect_fds(ancdata, flags, fds)
+        if not data:
+            raise PeerClosed("peer closed the connection")
         while len(data) < PREFIX_BYTES:
             chunk, ancdata, flags, _ = sock.recvmsg(PREFIX_BYTES - len(data), _ANCILLARY_BYTES)
-            for level, kind, payload in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    usable = len(payload) - len(payload) % 4
-                    fds.extend(np.frombuffer(payload[:usable], np.int32).tolist())
-            if flags & socket.MSG_CTRUNC:
-                raise BadShmReference(f"more than {MAX_FDS} file descriptors with one frame")
+            _collect_fds(ancdata, flags, fds)
             if not chunk:
-                if data:
-                    raise TruncatedFrame(f"stream ended after {len(data)} prefix bytes")
-                raise PeerClosed("peer closed the connection")
+                raise TruncatedFrame(f"stream ended after {len(data)} prefix bytes")
             data += chunk
     except BaseException:
         _close_fds(fds)
         raise
     return data, fds
+
+
+def _collect_fds(ancdata: list[tuple[int, int, bytes]], flags: int, fds: list[int]) -> None:
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(payload) - len(payload) % 4
+            fds.extend(np.frombuffer(payload[:usable], np.int32).tolist())
+    if flags & socket.MSG_CTRUNC:
+        raise BadShmReference(f"more than {MAX_FDS} file descriptors with one frame")
 
 
 def _close_fds(fds: list[int] | tuple[int, ...]) -> None:
@@ -502,24 +503,19 @@ def _str_field(header: Mapping[str, Any], key: str) -> str:
     return value
 
 
-def parse_header(
-    prefix: bytes, header_bytes: bytes | bytearray, *, max_payload_bytes: int, fd_count: int = 0
+def _parse_header(
+    header_bytes: bytes | bytearray, version: int, payload_len: int, max_payload_bytes: int, fd_count: int
 ) -> Frame:
-    """Validate a prefix + header; raises the specific WireError. Allocates nothing for payload."""
-    magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack(prefix)
-    pending = payload_len  # a fault found from here on leaves the stream in sync
+    """Validate a header (its prefix already checked); raises the specific WireError, whose
+    ``pending_payload_bytes`` says the stream is still in sync. Allocates nothing for payload."""
     try:
         header = _DECODER.decode(header_bytes.decode("utf-8"))
-    except MalformedHeader as exc:
-        exc.pending_payload_bytes = pending
-        raise
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise MalformedHeader(f"header is not UTF-8 JSON: {exc}", pending_payload_bytes=pending) from None
-    try:
         return _validate_header(header, version, payload_len, max_payload_bytes, fd_count)
     except WireError as exc:
-        exc.pending_payload_bytes = pending
+        exc.pending_payload_bytes = payload_len
         raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise MalformedHeader(f"header is not UTF-8 JSON: {exc}", pending_payload_bytes=payload_len) from None
 
 
 def _validate_header(
@@ -576,10 +572,11 @@ def _validate_descriptors(
     for desc in descriptors:
         if type(desc) is not dict:
             raise MalformedHeader("a tensor descriptor must be a JSON object")
-        keys = desc.keys()
-        if len(keys) != 5 or not _DESCRIPTOR_REQUIRED <= keys or not keys <= _DESCRIPTOR_KEYS:
+        # five keys, the four required ones and exactly one of offset / fd: nothing else fits
+        if len(desc) != 5 or "name" not in desc or "dtype" not in desc or "shape" not in desc \
+                or "nbytes" not in desc or ("offset" in desc) == ("fd" in desc):
             raise MalformedHeader(
-                f"a tensor descriptor needs name, dtype, shape, nbytes and one of offset/fd; got {sorted(keys)}"
+                f"a tensor descriptor needs name, dtype, shape, nbytes and one of offset/fd; got {sorted(desc)}"
             )
         name = desc["name"]
         if type(name) is not str or not name or len(name) > MAX_NAME_CHARS:
@@ -665,9 +662,13 @@ def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
             raise HeaderTooLarge(f"header length {header_len}, allowed 1..{MAX_HEADER_BYTES}")
         if payload_len > max_payload_bytes:
             raise PayloadTooLarge(f"payload length {payload_len}, at most {max_payload_bytes}")
-        header_bytes = bytearray(header_len)
-        _recv_exact_into(sock, memoryview(header_bytes))
-        frame = parse_header(prefix, header_bytes, max_payload_bytes=max_payload_bytes, fd_count=len(fds))
+        header_bytes = sock.recv(header_len)  # the length is capped above
+        if len(header_bytes) != header_len:  # a long header may arrive in pieces
+            buffer = bytearray(header_len)
+            buffer[: len(header_bytes)] = header_bytes
+            _recv_exact_into(sock, memoryview(buffer)[len(header_bytes):])
+            header_bytes = buffer
+        frame = _parse_header(header_bytes, version, payload_len, max_payload_bytes, len(fds))
         for desc in frame.tensors:
             if desc.fd is not None:
                 size = os.fstat(fds[desc.fd]).st_size
