@@ -1,0 +1,76 @@
+"""The v1 decision group against a live `omnigraph serve` (the embedded tiny Laya) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from omnigraph.conformance.runner import run_suite
+from omnigraph.conformance.suite import load_suite
+
+# Starting the server exports (once) and loads the embedded bundle, then warms it up.
+pytestmark = pytest.mark.slow
+
+SHUTDOWN_GRACE_S = 20.0
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    omnigraph = Path(sys.executable).with_name("omnigraph")
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [str(omnigraph), "serve", "--host", "127.0.0.1", "--port", str(port)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
+        )
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.terminate()
+        try:
+            process.wait(SHUTDOWN_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        print(log_path.read_text(errors="replace")[-2000:])
+
+
+def test_v1_decision_group_passes_against_omnigraph_serve(server_url: str) -> None:
+    report = run_suite("v1", server_url)  # the runner waits for GET /ready first
+    print(report.format_table())
+    assert report.ok, report.format_table()
+    counts = report.counts()
+    cases = len(load_suite("v1").group("decision").cases)
+    assert counts["decision"] == {"passed": cases, "failed": 0, "skipped": 0}
+    assert {group: row["skipped"] for group, row in counts.items() if group != "decision"} == {
+        "wire": 110, "manifest": 52, "ledger": 30, "placement": 22}
+
+
+def test_a_server_answering_wrong_statuses_fails_named_cases(server_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Proof the decision group can fail: the same server asked through a path that 404s everything."""
+    from omnigraph.conformance import decision_group
+
+    original = decision_group._request
+
+    def misrouted(connection_class, netloc, case):
+        case = type(case)(case.id, case.description, {**case.send, "path": "/nowhere"}, case.expect)
+        return original(connection_class, netloc, case)
+
+    monkeypatch.setattr(decision_group, "_request", misrouted)
+    report = run_suite("v1", server_url, "decision")
+    failed = {r.case_id for r in report.failures}
+    assert "decision.answer.noul_refund" in failed and "decision.json_nan" in failed
+    assert "status 404, expected 200" in next(r.detail for r in report.failures if r.case_id == "decision.answer.noul_refund")
