@@ -64,8 +64,8 @@ PROMPT_TEMPLATE = json.dumps({
 }, sort_keys=True)
 
 
-def _special_token(config: dict[str, Any], name: str) -> str | None:
-    value = config.get(name)
+def _token_content(value: Any) -> str | None:
+    """A special token's text, in either form tokenizer_config.json may hold it."""
     if isinstance(value, dict):  # the older serialisation: {"content": "[MASK]", ...}
         value = value.get("content")
     return value if isinstance(value, str) else None
@@ -84,13 +84,11 @@ class LayaTokenizer:
         self._tokenizer = Tokenizer.from_file(str(tokenizer_file))
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
-        named = [_special_token(config, key) for key in
+        named = [_token_content(config.get(key)) for key in
                  ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
                   "mask_token")]
         extra = config.get("extra_special_tokens") or config.get("additional_special_tokens") or []
-        if isinstance(extra, dict):
-            extra = list(extra.values())
-        named += [_special_token({"t": token}, "t") for token in extra]
+        named += [_token_content(token) for token in (extra.values() if isinstance(extra, dict) else extra)]
         known = {token.content for token in self._tokenizer.get_added_tokens_decoder().values()}
         missing = [token for token in dict.fromkeys(named) if token and token not in known]
         if missing:
@@ -103,12 +101,12 @@ class LayaTokenizer:
                              f"got {self.truncation_side!r}")
         ids = {}
         for role in ("cls_token", "sep_token", "pad_token", "mask_token"):
-            token = _special_token(config, role)
+            token = _token_content(config.get(role))
             token_id = self._tokenizer.token_to_id(token) if token else None
             if token_id is None:
                 raise ValueError(f"{config_file}: {role} {token!r} is not in the vocabulary")
             ids[role] = token_id
-        self.mask_token = _special_token(config, "mask_token")
+        self.mask_token = _token_content(config.get("mask_token"))
         self.cls_id, self.sep_id = ids["cls_token"], ids["sep_token"]
         self.pad_id, self.mask_id = ids["pad_token"], ids["mask_token"]
 
