@@ -63,18 +63,6 @@ def write_model(spec: Mapping[str, Any], directory: Path, graph_file: str, *, wh
     (directory / graph_file).write_bytes(model.SerializeToString())
 
 
-def reference_outputs(spec: Mapping[str, Any], inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """What the graph computes for `inputs`, by onnx's reference evaluator (not the runtime under test)."""
-    from onnx.reference import ReferenceEvaluator
-
-    model, external = build_model(spec, where="reference")
-    if external:
-        raise FixtureInvalid("reference outputs need a graph without external data")
-    evaluator = ReferenceEvaluator(model)
-    names = [item["name"] for item in spec["outputs"]]
-    return dict(zip(names, evaluator.run(names, dict(inputs))))
-
-
 def _value_info(item: Mapping[str, Any]) -> onnx.ValueInfoProto:
     dtype = item["dtype"]
     elem_type = TensorProto.BFLOAT16 if dtype == "bfloat16" else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))

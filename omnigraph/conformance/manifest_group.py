@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from omnigraph.bundles import (
     BundleError,
@@ -38,6 +38,9 @@ from omnigraph.conformance.expect import check_accepted, check_refused, expected
 from omnigraph.conformance.report import CaseFailed, CaseRunner
 from omnigraph.conformance.suite import Case, Group
 from omnigraph.conformance.targets import Target
+
+if TYPE_CHECKING:
+    from omnigraph.conformance.worker_target import WorkerTargetSession
 
 # The one code a worker answers for any bundle it refuses to trust (omnigraph.workers.errors).
 WORKER_REFUSAL_CODE = "bundle_invalid"
@@ -89,7 +92,7 @@ def _check_inproc(case: Case, graphs: dict, scratch: Path) -> None:
         raise CaseFailed(f"verified files {sorted(bundle.manifest.files)} != expected {sorted(listed)}")
 
 
-def _check_worker(case: Case, graphs: dict, scratch: Path, session: "WorkerTargetSession") -> None:  # noqa: F821
+def _check_worker(case: Case, graphs: dict, scratch: Path, session: WorkerTargetSession) -> None:
     path = _case_bundle(case, graphs, scratch)
     refusal = session.load_bundle(path)
     if expected_outcome(case.expect, case_id=case.id) == "accepted":

@@ -27,7 +27,7 @@ import numpy as np
 from omnigraph.conformance.frames import BuiltFrame, send_frame_bytes
 from omnigraph.conformance.report import CaseFailed
 from omnigraph.workers import wire
-from omnigraph.workers.route import WorkerRoute
+from omnigraph.workers.route import DEFAULT_MAX_IO_BYTES, WorkerRoute
 
 # Why: a worker imports onnxruntime before it connects; a cold start on a busy 2-core machine can
 # take several seconds.
@@ -61,7 +61,7 @@ class WorkerTargetSession:
 
     def __init__(self, command: Sequence[str], *, setup: Mapping[str, Any]) -> None:
         self._command = tuple(command)
-        self.max_payload_bytes = int(setup.get("max_payload_bytes", wire.MAX_HEADER_BYTES))
+        self.max_payload_bytes = int(setup.get("max_payload_bytes", DEFAULT_MAX_IO_BYTES))
         self._route = WorkerRoute(
             name="conformance",
             interpreter=sys.executable,

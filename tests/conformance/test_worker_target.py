@@ -36,7 +36,7 @@ def test_a_worker_that_accepts_byte_length_mismatches_fails(capsys: pytest.Captu
     assert "answered 'result', expected an error frame with code 'byte_length_mismatch'" in printed
 
 
-def test_a_command_that_is_not_a_worker_fails_every_case(tmp_path: Path) -> None:
+def test_a_command_that_is_not_a_worker_fails_every_case() -> None:
     report = run_suite("v1", f"worker:{shlex.quote(sys.executable)} -c pass", "wire")
     assert not report.ok
     assert {r.status.value for r in report.results} == {"failed"}
