@@ -93,7 +93,8 @@ class OmniBase:
             if self.pipeline.processor is not None:
                 self.processor: Any = resolve_dotted(self.pipeline.processor)(self.runtime.bundles)
             else:
-                self.processor = TensorProcessor(self.runtime.ordered_stages[0].input_specs)
+                entry = self.runtime.ordered_stages[0]
+                self.processor = TensorProcessor(entry.input_specs, max_io_bytes=entry.route.max_io_bytes)
             self.orchestrator = Orchestrator(
                 self.runtime, self.processor,
                 max_queued_requests=max_queued_requests or self.deploy.max_queued_requests,

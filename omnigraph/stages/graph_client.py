@@ -18,7 +18,6 @@ import numpy as np
 from omnigraph.stages.errors import DeadlineExceeded
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.workers.errors import RemoteError, WorkerTimeout
-from omnigraph.workers.wire import PayloadTooLarge
 
 if TYPE_CHECKING:
     from omnigraph.stages.runtime import GraphStage
@@ -47,10 +46,9 @@ class WorkItem(Protocol):
 
 
 def _request_level(error: BaseException) -> bool:
-    """A fault of the request alone: the worker refused it and stays in step, so it keeps serving."""
-    if isinstance(error, RemoteError):
-        return error.code in _REQUEST_LEVEL_CODES
-    return isinstance(error, PayloadTooLarge)
+    """A fault of the request alone: the worker refused it and stays in step, so it keeps serving.
+    Anything else (wire faults included: the stream may be out of step) retires the worker."""
+    return isinstance(error, RemoteError) and error.code in _REQUEST_LEVEL_CODES
 
 
 STOP = object()  # queued once per serving replica at shutdown

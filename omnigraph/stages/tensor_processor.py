@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from omnigraph.pipelines.processor import PreparedRequest, RequestInvalid
+from omnigraph.pipelines.processor import PreparedRequest, RequestInvalid, RequestTooLarge
 from omnigraph.stages.errors import HandoffInvalid
 from omnigraph.stages.tensors import InputSpec, check_tensors
 
@@ -20,8 +20,9 @@ from omnigraph.stages.tensors import InputSpec, check_tensors
 class TensorProcessor:
     """Passes tensors through: prepare checks them, finish returns the final outputs."""
 
-    def __init__(self, entry_specs: Mapping[str, InputSpec]) -> None:
+    def __init__(self, entry_specs: Mapping[str, InputSpec], *, max_io_bytes: int) -> None:
         self._specs = dict(entry_specs)
+        self._max_io_bytes = max_io_bytes
 
     def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
         if not isinstance(request, Mapping) or len(request) != 1 or "tensors" not in request:
@@ -30,6 +31,9 @@ class TensorProcessor:
             tensors = check_tensors("tensors", request["tensors"], self._specs)
         except HandoffInvalid as exc:
             raise RequestInvalid("tensors", str(exc).removeprefix("tensors: ")) from None
+        size = sum(array.nbytes for array in tensors.values())
+        if size > self._max_io_bytes:
+            raise RequestTooLarge("tensors", f"{size} bytes of tensors; the stage's route takes at most {self._max_io_bytes}")
         return PreparedRequest(work=(tensors,), context=None)
 
     def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:

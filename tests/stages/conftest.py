@@ -62,7 +62,8 @@ _plans = iter(range(10**6))
 
 
 def chain_plan(bundles: dict[str, Path], *names: str, replicas: int = 1, capacity: int | None = None,
-               demand: int | None = None, max_queued_requests: int = 32, **route: Any):
+               demand: int | None = None, max_queued_requests: int = 32, max_io_bytes: int | None = None,
+               **route: Any):
     """A deploy plan chaining the named bundles, declared inline (one stage each, in order)."""
     stages = []
     for stage_id, name in enumerate(names):
@@ -73,6 +74,8 @@ def chain_plan(bundles: dict[str, Path], *names: str, replicas: int = 1, capacit
             "backend": {"name": GRAPH_BACKEND, "manifest": str(bundles[name]),
                         "route": {"name": "cpu", "interpreter": sys.executable, "intra_op_num_threads": 1, **route}},
         }
+        if max_io_bytes is not None:
+            stage["backend"]["max_io_bytes"] = max_io_bytes
         if stage_id:
             stage["input_sources"] = [stage_id - 1]
         if stage_id == len(names) - 1:

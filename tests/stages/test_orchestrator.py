@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from omnigraph import AsyncOmni, Omni
-from omnigraph.pipelines.processor import RequestInvalid
+from omnigraph.pipelines.processor import RequestInvalid, RequestTooLarge
 from omnigraph.stages.errors import (
     DeadlineExceeded,
     HandoffInvalid,
@@ -61,7 +61,7 @@ def test_twenty_concurrent_requests_through_two_stages(make_plan):
 
 
 def test_invalid_prompts_are_refused_before_admission(make_plan):
-    with Omni(deploy_config=make_plan("affine")) as omni:
+    with Omni(deploy_config=make_plan("affine", max_io_bytes=65536)) as omni:
         with pytest.raises(RequestInvalid, match="'x' is int64, the bundle declares float32"):
             omni.generate([SMALL, {"tensors": {"x": np.ones((1, 4), np.int64)}}])
         with pytest.raises(RequestInvalid, match="shape \\[2, 5\\]"):
@@ -69,6 +69,8 @@ def test_invalid_prompts_are_refused_before_admission(make_plan):
         with pytest.raises(RequestInvalid) as error:
             omni.generate({"x": np.ones((2, 4), np.float32)})
         assert error.value.field == "tensors"
+        with pytest.raises(RequestTooLarge, match="the stage's route takes at most 65536"):
+            omni.generate({"tensors": {"x": np.ones((4097, 4), np.float32)}})
         assert omni.queue_depth() == 0
 
 
