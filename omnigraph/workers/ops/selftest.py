@@ -112,11 +112,16 @@ def check_case(
 def correctness_cases(rng: np.random.Generator, dtype: str) -> list[tuple[str, onnx.ModelProto, dict, list]]:
     """(case, model, float32 feeds, reference outputs) for every op, with padding and windows."""
     cases = []
-    for head_dim, window, length in ((64, 0, 176), (64, 64, 176), (32, 3, 45), (128, 0, 33), (64, 64, 512)):
+    # (head dim, window, length, padded keys at the end of the second row); the last case pads that
+    # row completely, so its queries see no key at all.
+    for head_dim, window, length, padded in (
+        (64, 0, 176, 58), (64, 64, 176, 58), (32, 3, 45, 15), (128, 0, 33, 11), (64, 64, 512, 170),
+        (64, 0, 64, 21), (64, 16, 200, 200),
+    ):  # fmt: skip
         heads = 4
         qkv = _round_to(rng.standard_normal((2, length, 3 * heads * head_dim)), dtype)
         mask = np.ones((2, length), dtype=np.int64)
-        mask[1, length - length // 3 :] = 0  # padded tail in the second row
+        mask[1, length - padded :] = 0
         expected = reference.modernbert_attention(qkv, mask, num_heads=heads, rope_theta=160000.0, window=window)
         model = graphs.attention_model(num_heads=heads, rope_theta=160000.0, window=window, dtype=dtype)
         cases.append((f"attention_D{head_dim}_w{window}_L{length}", model, {"qkv": qkv, "key_mask": mask}, [expected]))

@@ -35,237 +35,383 @@ __device__ __forceinline__ __half FromFloat(float value) {
   return __float2half_rn(value);
 }
 
-__device__ __forceinline__ float WarpMax(float value) {
-  for (int offset = 16; offset > 0; offset >>= 1) value = fmaxf(value, __shfl_xor_sync(0xffffffffu, value, offset));
-  return value;
-}
-
 __device__ __forceinline__ float WarpSum(float value) {
   for (int offset = 16; offset > 0; offset >>= 1) value += __shfl_xor_sync(0xffffffffu, value, offset);
   return value;
 }
 
 // ---------------------------------------------------------------------------------------------
-// Attention: one block per (query tile of kQueries, head, batch row), flash-attention style
-// online softmax over key tiles of kKeys, everything in FP32 shared memory. Rotary embedding is
-// applied while a tile is loaded, so no rotated copy of Q or K is ever written to global memory.
-constexpr int kQueries = 32;
-constexpr int kKeys = 64;
-constexpr int kThreads = 128;  // 8 x 16 threads, each owning a 4-row strip of the tile
+// Attention on the tensor cores: FlashAttention-2 with mma.sync m16n8k16 (BF16/FP16 operands, FP32
+// accumulators), portable to every GPU from sm_80 on. One block of kAttnWarps warps per (query tile
+// of kQueryRows, head, batch row); each warp owns 16 query rows, keeps its Q fragments and its
+// 16 x D output in registers, and walks the key tiles of kKeyRows that can hold a visible key (the
+// sliding window skips the rest), with an FP32 online softmax. Key tiles are double-buffered in
+// shared memory: V arrives by cp.async and K through registers, rotated on the way, while the
+// previous tile is computed. Rotary embedding is applied in FP32 as Q and K are loaded, so no
+// rotated copy is ever written to global memory; the rotated values are rounded to T for the mma.
+constexpr int kAttnWarps = 4;
+constexpr int kAttnThreads = 32 * kAttnWarps;
+constexpr int kQueryRows = 16 * kAttnWarps;  // one m16 tile per warp
+constexpr int kKeyRows = 64;
 
 template <int D>
-struct AttentionSmem {
-  static constexpr int kQ = kQueries * D;      // Q[r][d], rotated and scaled
-  static constexpr int kKt = D * kKeys;        // K transposed: Kt[d][c], rotated
-  static constexpr int kV = kKeys * D;         // V[c][d]
-  static constexpr int kP = kQueries * kKeys;  // scores, then probabilities
-  static constexpr int kFloats = kQ + kKt + kV + kP + 3 * kQueries + D / 2 + kKeys;
-  static constexpr size_t kBytes = sizeof(float) * kFloats;
+struct AttentionTile {
+  static constexpr int kStride = D + 8;  // elements per shared row: the 16-byte pad keeps ldmatrix conflict-free
+  static constexpr int kQ = kQueryRows * kStride;
+  static constexpr int kKV = kKeyRows * kStride;
+  // T q[kQueryRows][kStride], k[2][kKeyRows][kStride], v[2][kKeyRows][kStride];
+  // float key_ok[2][kKeyRows], inv_freq[D / 2]
+  static constexpr size_t kBytes = 2 * static_cast<size_t>(kQ + 4 * kKV) + sizeof(float) * (2 * kKeyRows + D / 2);
+};
+
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  using Type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 ToFloat2(Type value) { return __bfloat1622float2(value); }
+  static __device__ __forceinline__ Type FromFloat2(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <>
+struct Pair<__half> {
+  using Type = __half2;
+  static __device__ __forceinline__ float2 ToFloat2(Type value) { return __half22float2(value); }
+  static __device__ __forceinline__ Type FromFloat2(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float a, float b) {
+  const typename Pair<T>::Type pair = Pair<T>::FromFloat2(a, b);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// c += a (16 x 16, row-major fragment) * b (16 x 8, column-major fragment), FP32 accumulators.
+template <typename T>
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void Mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void Mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t SharedAddress(const void* pointer) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(pointer));
+}
+
+// Four 8 x 8 matrices of 16-bit elements; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SharedAddress(row))
+               : "memory");
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], const void* row) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(SharedAddress(row))
+               : "memory");
+}
+
+// 16 bytes global -> shared without passing through registers; `valid` false writes zeros.
+__device__ __forceinline__ void CpAsync16(void* shared, const void* global, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(SharedAddress(shared)), "l"(global),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void CpAsyncWaitAll() { asm volatile("cp.async.wait_group 0;" ::: "memory"); }
+
+// sin and cos of a rotary angle (>= 0, up to the sequence length in radians): reduced into
+// [-pi, pi] with a two-part 2*pi first, where the hardware approximations are accurate to ~1e-6.
+__device__ __forceinline__ void RotarySinCos(float angle, float* sine, float* cosine) {
+  const float turns = rintf(angle * 0.159154943091895336f);
+  float reduced = fmaf(-turns, 6.28318548202514648f, angle);  // float(2 pi)
+  reduced = fmaf(-turns, -1.74845553e-7f, reduced);            // 2 pi - float(2 pi)
+  __sincosf(reduced, sine, cosine);
+}
+
+// The rows of a Q or K tile that one thread rotates: task i covers 8 dimensions of both halves
+// (d and d + D/2) of one row. Load() issues the global reads, Store() rotates and writes the tile,
+// so that other work can run between the two.
+template <typename T, int D>
+struct RotaryRows {
+  static constexpr int kChunks = D / 16;  // 8-element chunks in half a row
+  static constexpr int kTasks = kKeyRows * kChunks / kAttnThreads;
+  static_assert(kQueryRows == kKeyRows && kTasks * kAttnThreads == kKeyRows * kChunks, "tile shape");
+  uint4 low[kTasks];
+  uint4 high[kTasks];
+
+  __device__ __forceinline__ void Load(const T* base, int64_t token_stride, int row0, int length) {
+#pragma unroll
+    for (int i = 0; i < kTasks; ++i) {
+      const int task = threadIdx.x + i * kAttnThreads;
+      const int pos = row0 + task / kChunks;
+      const int dim = (task % kChunks) * 8;
+      low[i] = high[i] = make_uint4(0, 0, 0, 0);
+      if (pos < length) {
+        const T* row = base + pos * token_stride;
+        low[i] = __ldg(reinterpret_cast<const uint4*>(row + dim));
+        high[i] = __ldg(reinterpret_cast<const uint4*>(row + dim + D / 2));
+      }
+    }
+  }
+
+  __device__ __forceinline__ void Store(T* tile, int row0, const float* inv_freq) const {
+    using P = Pair<T>;
+#pragma unroll
+    for (int i = 0; i < kTasks; ++i) {
+      const int task = threadIdx.x + i * kAttnThreads;
+      const int row = task / kChunks;
+      const int dim = (task % kChunks) * 8;
+      const float pos = static_cast<float>(row0 + row);
+      const auto* x1 = reinterpret_cast<const typename P::Type*>(&low[i]);
+      const auto* x2 = reinterpret_cast<const typename P::Type*>(&high[i]);
+      uint4 rotated_low, rotated_high;
+      auto* y1 = reinterpret_cast<typename P::Type*>(&rotated_low);
+      auto* y2 = reinterpret_cast<typename P::Type*>(&rotated_high);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 a = P::ToFloat2(x1[j]);
+        const float2 b = P::ToFloat2(x2[j]);
+        float s0, c0, s1, c1;
+        RotarySinCos(pos * inv_freq[dim + 2 * j], &s0, &c0);
+        RotarySinCos(pos * inv_freq[dim + 2 * j + 1], &s1, &c1);
+        y1[j] = P::FromFloat2(a.x * c0 - b.x * s0, a.y * c1 - b.y * s1);
+        y2[j] = P::FromFloat2(b.x * c0 + a.x * s0, b.y * c1 + a.y * s1);
+      }
+      T* out = tile + row * AttentionTile<D>::kStride + dim;
+      *reinterpret_cast<uint4*>(out) = rotated_low;
+      *reinterpret_cast<uint4*>(out + D / 2) = rotated_high;
+    }
+  }
 };
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kAttnThreads)
     AttentionKernel(const T* __restrict__ qkv, const int64_t* __restrict__ key_mask, T* __restrict__ out, int length,
                     int num_heads, int window, float rope_theta) {
-  constexpr int kHalf = D / 2;
-  constexpr int kCols = D / 16;        // output columns per thread
-  constexpr int kKeyCols = kKeys / 16;  // score columns per thread
-  extern __shared__ float smem[];
-  float* q_s = smem;
-  float* kt_s = q_s + AttentionSmem<D>::kQ;
-  float* v_s = kt_s + AttentionSmem<D>::kKt;
-  float* p_s = v_s + AttentionSmem<D>::kV;
-  float* row_max = p_s + AttentionSmem<D>::kP;
-  float* row_sum = row_max + kQueries;
-  float* row_scale = row_sum + kQueries;
-  float* inv_freq = row_scale + kQueries;
-  float* key_ok = inv_freq + kHalf;
+  using Tile = AttentionTile<D>;
+  constexpr int kStride = Tile::kStride;
+  constexpr int kVectors = D / 8;  // 16-byte vectors per row
+  extern __shared__ __align__(16) unsigned char attention_smem[];
+  T* q_s = reinterpret_cast<T*>(attention_smem);
+  T* k_s = q_s + Tile::kQ;
+  T* v_s = k_s + 2 * Tile::kKV;
+  float* key_ok = reinterpret_cast<float*>(v_s + 2 * Tile::kKV);
+  float* inv_freq = key_ok + 2 * kKeyRows;
 
-  const int tid = threadIdx.x;
-  const int ty = tid / 16;  // rows 4*ty .. 4*ty+3
-  const int tx = tid % 16;
-  const int q0 = blockIdx.x * kQueries;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int q0 = blockIdx.x * kQueryRows;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
   const int model_dim = num_heads * D;
   const int64_t token_stride = 3 * static_cast<int64_t>(model_dim);
-  const T* base = qkv + static_cast<int64_t>(batch) * length * token_stride + head * D;
-  const float scale = rsqrtf(static_cast<float>(D));
-
-  for (int k = tid; k < kHalf; k += kThreads) {
-    inv_freq[k] = 1.0f / powf(rope_theta, static_cast<float>(2 * k) / static_cast<float>(D));
-  }
-  for (int r = tid; r < kQueries; r += kThreads) {
-    row_max[r] = -INFINITY;
-    row_sum[r] = 0.0f;
-  }
-  __syncthreads();
-  for (int idx = tid; idx < kQueries * kHalf; idx += kThreads) {
-    const int r = idx / kHalf;
-    const int k = idx % kHalf;
-    const int pos = q0 + r;
-    float a = 0.0f, b = 0.0f;
-    if (pos < length) {
-      const T* row = base + pos * token_stride;
-      const float x1 = ToFloat(row[k]);
-      const float x2 = ToFloat(row[k + kHalf]);
-      float s, c;
-      sincosf(static_cast<float>(pos) * inv_freq[k], &s, &c);
-      a = (x1 * c - x2 * s) * scale;
-      b = (x2 * c + x1 * s) * scale;
-    }
-    q_s[r * D + k] = a;
-    q_s[r * D + k + kHalf] = b;
-  }
-
-  float acc[4][kCols];
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-#pragma unroll
-    for (int j = 0; j < kCols; ++j) acc[i][j] = 0.0f;
+  const T* q_base = qkv + static_cast<int64_t>(batch) * length * token_stride + head * D;
+  const T* k_base = q_base + model_dim;
+  const T* v_base = q_base + 2 * model_dim;
+  const int64_t* mask_row = key_mask + static_cast<int64_t>(batch) * length;
 
   // Only key tiles that can hold a visible key for this query tile.
   int first_key = 0;
   int last_key = length - 1;
   if (window > 0) {
     first_key = max(0, q0 - window);
-    last_key = min(length - 1, q0 + kQueries - 1 + window);
+    last_key = min(length - 1, q0 + kQueryRows - 1 + window);
   }
-  const int64_t* mask_row = key_mask + static_cast<int64_t>(batch) * length;
+  const int first_tile = first_key / kKeyRows;
+  const int last_tile = last_key / kKeyRows;
 
-  for (int k0 = (first_key / kKeys) * kKeys; k0 <= last_key; k0 += kKeys) {
-    __syncthreads();  // the previous tile's readers are done
-    for (int idx = tid; idx < kKeys * kHalf; idx += kThreads) {
-      const int c = idx % kKeys;
-      const int k = idx / kKeys;
-      const int pos = k0 + c;
-      float a = 0.0f, b = 0.0f;
-      if (pos < length) {
-        const T* row = base + pos * token_stride + model_dim;
-        const float x1 = ToFloat(row[k]);
-        const float x2 = ToFloat(row[k + kHalf]);
-        float s, cs;
-        sincosf(static_cast<float>(pos) * inv_freq[k], &s, &cs);
-        a = x1 * cs - x2 * s;
-        b = x2 * cs + x1 * s;
-      }
-      kt_s[k * kKeys + c] = a;
-      kt_s[(k + kHalf) * kKeys + c] = b;
+  RotaryRows<T, D> next_k;
+  bool next_key_ok = false;
+  // Starts loading key tile `tile` into buffer `stage`: V by cp.async, K and the mask into registers.
+  auto issue_tile = [&](int tile, int stage) {
+    const int k0 = tile * kKeyRows;
+    next_k.Load(k_base, token_stride, k0, length);
+    for (int idx = threadIdx.x; idx < kKeyRows * kVectors; idx += kAttnThreads) {
+      const int pos = k0 + idx / kVectors;
+      const int dim = (idx % kVectors) * 8;
+      const bool valid = pos < length;
+      CpAsync16(v_s + stage * Tile::kKV + (idx / kVectors) * kStride + dim,
+                v_base + (valid ? pos : 0) * token_stride + dim, valid);
     }
-    for (int idx = tid; idx < kKeys * D; idx += kThreads) {
-      const int c = idx / D;
-      const int d = idx % D;
-      const int pos = k0 + c;
-      v_s[idx] = pos < length ? ToFloat(base[pos * token_stride + 2 * model_dim + d]) : 0.0f;
+    CpAsyncCommit();
+    if (threadIdx.x < kKeyRows) {
+      const int pos = k0 + threadIdx.x;
+      next_key_ok = pos < length && mask_row[pos] != 0;
     }
-    for (int c = tid; c < kKeys; c += kThreads) {
-      const int pos = k0 + c;
-      key_ok[c] = (pos < length && mask_row[pos] != 0) ? 1.0f : 0.0f;
-    }
-    __syncthreads();
+  };
+  // Completes it: rotates K into shared memory, publishes the mask, waits for V.
+  auto finish_tile = [&](int tile, int stage) {
+    next_k.Store(k_s + stage * Tile::kKV, tile * kKeyRows, inv_freq);
+    if (threadIdx.x < kKeyRows) key_ok[stage * kKeyRows + threadIdx.x] = next_key_ok ? 1.0f : 0.0f;
+    CpAsyncWaitAll();
+  };
 
-    // Scores: a 4 x kKeyCols strip per thread.
-    float s[4][kKeyCols];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-#pragma unroll
-      for (int j = 0; j < kKeyCols; ++j) s[i][j] = 0.0f;
-#pragma unroll 8
-    for (int d = 0; d < D; ++d) {
-      float qv[4], kv[kKeyCols];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) qv[i] = q_s[(4 * ty + i) * D + d];
-#pragma unroll
-      for (int j = 0; j < kKeyCols; ++j) kv[j] = kt_s[d * kKeys + tx * kKeyCols + j];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-#pragma unroll
-        for (int j = 0; j < kKeyCols; ++j) s[i][j] = fmaf(qv[i], kv[j], s[i][j]);
-    }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int qpos = q0 + 4 * ty + i;
-#pragma unroll
-      for (int j = 0; j < kKeyCols; ++j) {
-        const int c = tx * kKeyCols + j;
-        const int kpos = k0 + c;
-        const bool visible = key_ok[c] != 0.0f && (window == 0 || abs(qpos - kpos) <= window);
-        p_s[(4 * ty + i) * kKeys + c] = visible ? s[i][j] : -INFINITY;
-      }
-    }
-    __syncthreads();
-
-    // Online softmax: each warp owns kQueries / 4 rows; each lane two columns of a row.
-    const int warp = tid / 32;
-    const int lane = tid % 32;
-    for (int r = warp * (kQueries / 4); r < (warp + 1) * (kQueries / 4); ++r) {
-      const float s0 = p_s[r * kKeys + lane];
-      const float s1 = p_s[r * kKeys + lane + 32];
-      const float old_max = row_max[r];
-      const float new_max = fmaxf(old_max, WarpMax(fmaxf(s0, s1)));
-      float p0 = 0.0f, p1 = 0.0f, rescale = 1.0f;
-      if (new_max != -INFINITY) {
-        p0 = s0 == -INFINITY ? 0.0f : expf(s0 - new_max);
-        p1 = s1 == -INFINITY ? 0.0f : expf(s1 - new_max);
-        rescale = old_max == -INFINITY ? 0.0f : expf(old_max - new_max);
-      }
-      const float tile_sum = WarpSum(p0 + p1);
-      p_s[r * kKeys + lane] = p0;
-      p_s[r * kKeys + lane + 32] = p1;
-      __syncwarp();
-      if (lane == 0) {
-        row_max[r] = new_max;
-        row_sum[r] = row_sum[r] * rescale + tile_sum;
-        row_scale[r] = rescale;
-      }
-    }
-    __syncthreads();
-
-    // Accumulate P V into the 4 x kCols strip.
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float rescale = row_scale[4 * ty + i];
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) acc[i][j] *= rescale;
-    }
-#pragma unroll 4
-    for (int c = 0; c < kKeys; ++c) {
-      float vv[kCols];
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) vv[j] = v_s[c * D + tx * kCols + j];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float p = p_s[(4 * ty + i) * kKeys + c];
-#pragma unroll
-        for (int j = 0; j < kCols; ++j) acc[i][j] = fmaf(p, vv[j], acc[i][j]);
-      }
-    }
+  for (int k = threadIdx.x; k < D / 2; k += kAttnThreads) {
+    inv_freq[k] = 1.0f / powf(rope_theta, static_cast<float>(2 * k) / static_cast<float>(D));
   }
+  issue_tile(first_tile, 0);
+  {
+    RotaryRows<T, D> q_rows;
+    q_rows.Load(q_base, token_stride, q0, length);
+    __syncthreads();  // inv_freq
+    q_rows.Store(q_s, q0, inv_freq);
+  }
+  finish_tile(first_tile, 0);
   __syncthreads();
 
+  // This warp's 16 query rows as A fragments, one per 16 dimensions.
+  uint32_t q_frag[D / 16][4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int r = 4 * ty + i;
-    const int pos = q0 + r;
-    if (pos >= length) continue;
-    const float total = row_sum[r];
-    const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;  // no visible key: zeros
-    T* o = out + (static_cast<int64_t>(batch) * length + pos) * model_dim + head * D + tx * kCols;
+  for (int kk = 0; kk < D / 16; ++kk) {
+    LdMatrixX4(q_frag[kk], q_s + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+  }
+
+  // Thread (lane) holds rows lane/4 and lane/4 + 8 of the warp's tile, columns 2 * (lane % 4) + {0, 1}
+  // of every 8-wide accumulator block.
+  const int warp_q0 = q0 + warp * 16;
+  const int query[2] = {warp_q0 + lane / 4, warp_q0 + lane / 4 + 8};
+  const float scale_log2 = rsqrtf(static_cast<float>(D)) * 1.44269504088896341f;  // softmax in base 2
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.0f, 0.0f};  // this thread's columns only; the quad is summed at the end
+  float acc[D / 8][4];
 #pragma unroll
-    for (int j = 0; j < kCols; ++j) o[j] = FromFloat<T>(acc[i][j] * inv_total);
+  for (int j = 0; j < D / 8; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  for (int tile = first_tile, stage = 0; tile <= last_tile; ++tile, stage ^= 1) {
+    const bool has_next = tile < last_tile;
+    if (has_next) issue_tile(tile + 1, stage ^ 1);
+    const int k0 = tile * kKeyRows;
+    const bool warp_sees_tile = warp_q0 < length && (window == 0 || (k0 <= warp_q0 + 15 + window &&
+                                                                     k0 + kKeyRows - 1 >= warp_q0 - window));
+    if (warp_sees_tile) {
+      const T* k_tile = k_s + stage * Tile::kKV;
+      const T* v_tile = v_s + stage * Tile::kKV;
+      const float* tile_ok = key_ok + stage * kKeyRows;
+
+      // Scores S = Q K^T: 16 x kKeyRows, as kKeyRows / 8 accumulator blocks.
+      float s[kKeyRows / 8][4];
+#pragma unroll
+      for (int n = 0; n < kKeyRows / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int nn = 0; nn < kKeyRows / 16; ++nn) {
+          uint32_t b[4];
+          LdMatrixX4(b, k_tile + (nn * 16 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+          Mma<T>(s[2 * nn], q_frag[kk], b[0], b[1]);
+          Mma<T>(s[2 * nn + 1], q_frag[kk], b[2], b[3]);
+        }
+      }
+
+      // Mask, then the online softmax update (base 2, scale folded in).
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < kKeyRows / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int column = n * 8 + 2 * (lane % 4) + e % 2;
+          const bool visible =
+              tile_ok[column] != 0.0f && (window == 0 || abs(query[e / 2] - (k0 + column)) <= window);
+          s[n][e] = visible ? s[n][e] * scale_log2 : -INFINITY;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+        }
+      }
+      float offset[2], rescale[2];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 1));
+        tile_max[r] = fmaxf(tile_max[r], __shfl_xor_sync(0xffffffffu, tile_max[r], 2));
+        const float new_max = fmaxf(row_max[r], tile_max[r]);
+        offset[r] = new_max == -INFINITY ? 0.0f : new_max;  // nothing visible yet: every p is 0
+        rescale[r] = exp2f(row_max[r] - offset[r]);
+        row_max[r] = new_max;
+        row_sum[r] *= rescale[r];
+      }
+#pragma unroll
+      for (int n = 0; n < kKeyRows / 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[n][e] = exp2f(s[n][e] - offset[e / 2]);
+          row_sum[e / 2] += s[n][e];
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        acc[j][0] *= rescale[0];
+        acc[j][1] *= rescale[0];
+        acc[j][2] *= rescale[1];
+        acc[j][3] *= rescale[1];
+      }
+
+      // acc += P V: the score accumulators are already P's A fragments, 16 keys at a time.
+#pragma unroll
+      for (int kk = 0; kk < kKeyRows / 16; ++kk) {
+        const uint32_t p[4] = {PackPair<T>(s[2 * kk][0], s[2 * kk][1]), PackPair<T>(s[2 * kk][2], s[2 * kk][3]),
+                               PackPair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                               PackPair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+        for (int nn = 0; nn < D / 16; ++nn) {
+          uint32_t b[4];
+          LdMatrixX4Trans(b, v_tile + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kStride + nn * 16 + (lane / 16) * 8);
+          Mma<T>(acc[2 * nn], p, b[0], b[1]);
+          Mma<T>(acc[2 * nn + 1], p, b[2], b[3]);
+        }
+      }
+    }
+    if (has_next) finish_tile(tile + 1, stage ^ 1);
+    __syncthreads();  // the next tile is in place and nobody reads this one any more
+  }
+
+  // Normalise, stage the warp's 16 x D rows in its own (no longer read) Q rows, store 16 bytes a lane.
+  float inv_total[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
+    row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
+    inv_total[r] = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;  // no visible key: zeros
+  }
+  T* o_s = q_s + warp * 16 * kStride;
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) {
+    T* o = o_s + (lane / 4) * kStride + j * 8 + 2 * (lane % 4);
+    *reinterpret_cast<typename Pair<T>::Type*>(o) =
+        Pair<T>::FromFloat2(acc[j][0] * inv_total[0], acc[j][1] * inv_total[0]);
+    *reinterpret_cast<typename Pair<T>::Type*>(o + 8 * kStride) =
+        Pair<T>::FromFloat2(acc[j][2] * inv_total[1], acc[j][3] * inv_total[1]);
+  }
+  __syncwarp();
+  for (int idx = lane; idx < 16 * kVectors; idx += 32) {
+    const int row = idx / kVectors;
+    const int dim = (idx % kVectors) * 8;
+    const int pos = warp_q0 + row;
+    if (pos < length) {
+      *reinterpret_cast<uint4*>(out + (static_cast<int64_t>(batch) * length + pos) * model_dim + head * D + dim) =
+          *reinterpret_cast<const uint4*>(o_s + row * kStride + dim);
+    }
   }
 }
 
 template <typename T, int D>
 int LaunchAttention(const void* qkv, const int64_t* key_mask, void* out, const AttentionShape& shape,
                     cudaStream_t stream) {
-  const size_t smem = AttentionSmem<D>::kBytes;
+  const size_t smem = AttentionTile<D>::kBytes;
   cudaError_t status =
       cudaFuncSetAttribute(AttentionKernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (status != cudaSuccess) return status;
-  const dim3 grid(static_cast<unsigned>((shape.length + kQueries - 1) / kQueries),
+  const dim3 grid(static_cast<unsigned>((shape.length + kQueryRows - 1) / kQueryRows),
                   static_cast<unsigned>(shape.num_heads), static_cast<unsigned>(shape.batch));
-  AttentionKernel<T, D><<<grid, kThreads, smem, stream>>>(
+  AttentionKernel<T, D><<<grid, kAttnThreads, smem, stream>>>(
       static_cast<const T*>(qkv), key_mask, static_cast<T*>(out), static_cast<int>(shape.length),
       static_cast<int>(shape.num_heads), static_cast<int>(shape.window), shape.rope_theta);
   return cudaGetLastError();
