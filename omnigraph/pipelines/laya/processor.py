@@ -96,7 +96,13 @@ class LayaProcessor:
                                      max_rows=max_rows, max_marker_slots=max_marker_slots)
         self._calibration = Calibration.from_metadata(metadata.calibration or {})
         self._limits = limits
-        self._precision = metadata.precision
+        self._audit = {
+            "model_hash": self._bundle.manifest_sha256,
+            "calibration_version": self._calibration.version,
+            "prompt_template_sha256": hashlib.sha256(PROMPT_TEMPLATE.encode("utf-8")).hexdigest(),
+            "allowed_token_set_hash": self._tokenizer.vocabulary_sha256(),
+            "precision": metadata.precision,
+        }
 
     @property
     def layout(self) -> BatchLayout:
@@ -137,7 +143,7 @@ class LayaProcessor:
         questions = context.request.questions
         answers: list[dict] = [{} for _ in questions]
         for item, (work, output, batch) in enumerate(zip(prepared.work, outputs, context.batches)):
-            logits, act_logits = self._outputs(item, work, output)
+            logits, act_logits = self._checked_outputs(item, work, output)
             for row, index in enumerate(batch):
                 answers[index] = decode_answer(questions[index], logits[row], act_logits[row],
                                                self._calibration)
@@ -148,30 +154,24 @@ class LayaProcessor:
         }
 
     @staticmethod
-    def _outputs(item: int, work: Mapping[str, np.ndarray],
-                 output: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    def _checked_outputs(item: int, work: Mapping[str, np.ndarray],
+                         output: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        """``logits`` [B, M] and ``act_logits`` [B, 2] of work item ``item``, shaped as its inputs."""
         rows, markers = work["marker_pos"].shape
-        expected = {"logits": (rows, markers), "act_logits": (rows, 2)}
-        arrays = []
-        for name, shape in expected.items():
+        checked = {}
+        for name, shape in (("logits", (rows, markers)), ("act_logits", (rows, 2))):
             if name not in output:
-                raise ProcessorOutputInvalid(f"output {item} has no {name!r} "
-                                             f"(got {sorted(output)})")
-            array = np.asarray(output[name])
-            if array.shape != shape:
-                raise ProcessorOutputInvalid(f"output {item} {name!r} has shape {array.shape}, "
-                                             f"expected {shape}")
-            arrays.append(array)
-        return arrays[0], arrays[1]
+                raise ProcessorOutputInvalid(f"output {item} has no {name!r} (got {sorted(output)})")
+            checked[name] = np.asarray(output[name])
+            if checked[name].shape != shape:
+                raise ProcessorOutputInvalid(f"output {item} {name!r} has shape "
+                                             f"{checked[name].shape}, expected {shape}")
+        return checked["logits"], checked["act_logits"]
 
     def warmup_request(self) -> dict:
+        """The Decision API's refund example (a fresh copy each time)."""
         return copy.deepcopy(WARMUP_REQUEST)
 
     def audit(self) -> dict:
-        return {
-            "model_hash": self._bundle.manifest_sha256,
-            "calibration_version": self._calibration.version,
-            "prompt_template_sha256": hashlib.sha256(PROMPT_TEMPLATE.encode("utf-8")).hexdigest(),
-            "allowed_token_set_hash": self._tokenizer.vocabulary_sha256(),
-            "precision": self._precision,
-        }
+        """The bundle, calibration, prompt template and token set that produce the answers."""
+        return dict(self._audit)
