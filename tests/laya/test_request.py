@@ -172,6 +172,7 @@ def test_stricter_than_the_reference(case, body, field):
     with pytest.raises(RequestInvalid) as raised:
         parse_request(body)
     assert raised.value.field == field
+    assert not reference_refuses(body)
 
 
 def test_rendered_options_follow_the_reference_render_options():
