@@ -133,7 +133,7 @@ def _check_worker(case: Case, session: Any, bundles: _GraphBundles, setup: Mappi
             raise CaseFailed(f"the worker refused to load graph {graph!r}: {refusal[0]}: {refusal[1]}")
     base = session.epoch
     for epoch in send.get("fence", []):
-        session.call("fence", epoch=base + epoch)
+        session.fence(base + epoch)
     fields = session.session_fields(request_id=case.id, epoch=base + send.get("epoch", 0))
     fields.update(_stale_fields(send.get("stale"), session, case_id=case.id))
     built = build_frame(send, session=fields, where=case.id)

@@ -152,13 +152,19 @@ class WorkerTargetSession:
         finally:
             writer.join(timeout)
 
-    def call(self, msg_type: str, *, body: Mapping[str, Any] | None = None, epoch: int | None = None,
-             timeout: float = REPLY_TIMEOUT_S) -> Reply:
-        """A well-formed control message (load, stats, fence), encoded by omnigraph's own codec."""
+    def call(self, msg_type: str, *, body: Mapping[str, Any] | None = None, timeout: float = REPLY_TIMEOUT_S) -> Reply:
+        """A well-formed control message (load, stats), encoded by omnigraph's own codec, and its reply."""
+        self._send_control(msg_type, body=body)
+        return self._receive(timeout)
+
+    def fence(self, epoch: int) -> None:
+        """Raise the worker's epoch floor (a fence is never answered)."""
+        self._send_control("fence", epoch=epoch)
+
+    def _send_control(self, msg_type: str, *, body: Mapping[str, Any] | None = None, epoch: int | None = None) -> None:
         assert self._sock is not None
         fields = self.session_fields(request_id=f"conformance-{msg_type}", epoch=epoch)
         wire.send_frame(self._sock, msg_type, body=body, max_payload_bytes=self.max_payload_bytes, **fields)
-        return Reply(closed=True) if msg_type == "fence" else self._receive(timeout)
 
     def load_bundle(self, path: Path, *, key: str | None = None) -> tuple[str, str] | None:
         """Ask the worker to load a bundle: None when loaded, else (code, message) of its refusal."""

@@ -6,7 +6,6 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -30,10 +29,9 @@ def _free_port() -> int:
 def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-    omnigraph = Path(sys.executable).with_name("omnigraph")
     with open(log_path, "wb") as log:
         process = subprocess.Popen(
-            [str(omnigraph), "serve", "--host", "127.0.0.1", "--port", str(port)],
+            [sys.executable, "-m", "omnigraph.plugin.cli", "serve", "--host", "127.0.0.1", "--port", str(port)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(),
         )
     try:
