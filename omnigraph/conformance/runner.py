@@ -20,7 +20,7 @@ from omnigraph.conformance.targets import GROUPS_BY_KIND, Target, parse_target
 
 
 class GroupNotApplicable(ValueError):
-    """--group names a group that the chosen kind of target does not run."""
+    """--group names a group that does not exist, or that the chosen kind of target does not run."""
 
 
 def run_suite(suite: str = "v1", target: str | Target = "inproc", group: str | None = None) -> SuiteReport:
@@ -28,7 +28,8 @@ def run_suite(suite: str = "v1", target: str | Target = "inproc", group: str | N
     fixtures = load_suite(suite)
     target = parse_target(target) if isinstance(target, str) else target
     if group is not None:
-        fixtures.group(group)  # a KeyError naming the groups if it does not exist
+        if group not in (known := [g.name for g in fixtures.groups]):
+            raise GroupNotApplicable(f"suite {suite} has no group {group!r} (groups: {', '.join(known)})")
         if not target.runs(group):
             raise GroupNotApplicable(
                 f"group {group!r} does not apply to the {target.kind} target "

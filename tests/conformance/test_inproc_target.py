@@ -85,5 +85,7 @@ def test_a_ledger_that_charges_partially_fails_the_atomic_cases(monkeypatch: pyt
 
 
 def test_a_group_the_target_does_not_run_is_an_error() -> None:
-    with pytest.raises(GroupNotApplicable, match="decision"):
+    with pytest.raises(GroupNotApplicable, match="group 'decision' does not apply to the inproc target"):
         run_suite("v1", "inproc", "decision")
+    with pytest.raises(GroupNotApplicable, match="no group 'wires'"):
+        run_suite("v1", "inproc", "wires")
