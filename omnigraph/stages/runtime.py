@@ -142,7 +142,8 @@ class StageRuntime:
 
     @property
     def ordered_stages(self) -> list[GraphStage]:
-        return [self.stages[stage_id] for stage_id in self.pipeline.stage_order]
+        """The started stages in chain order (none before a successful `start`)."""
+        return [self.stages[stage_id] for stage_id in self.pipeline.stage_order if stage_id in self.stages]
 
     @property
     def bundles(self) -> dict[int, VerifiedBundle]:
@@ -161,6 +162,7 @@ class StageRuntime:
         try:
             for (stage, replica), reservation in zip(owners, reservations):
                 stage.replicas.append(self._start_replica(stage, replica, reservation, launched))
+            for stage in stages:
                 stage.input_specs = input_specs(stage.replicas[0].load_report)
         except BaseException:
             self._unwind(launched, reservations)
