@@ -119,12 +119,10 @@ def _parse_state(state: Any, limits: RequestLimits) -> tuple[str, bool]:
     else:
         raise RequestInvalid("state", f"must be a string, an object or a list, "
                                       f"got {type(state).__name__}")
-    if _LONE_SURROGATE.search(text):
-        raise RequestInvalid("state", "contains an unpaired surrogate, which cannot be encoded "
-                                      "as UTF-8")
     if len(text) > limits.max_state_chars:
         raise RequestTooLarge("state", f"state too large ({len(text)} > "
                                        f"{limits.max_state_chars} chars)")
+    _refuse_surrogates(text, "state")
     return text, isinstance(state, list)
 
 
