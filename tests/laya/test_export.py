@@ -1,0 +1,217 @@
+"""The Laya exporter: bundles that reproduce the reference model, or precise errors and no bundle."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from omnigraph.bundles import BundleHashMismatch, verify_bundle
+from omnigraph.pipelines.laya.export import (
+    FAST_OPS_MODULE,
+    build_bundle,
+    default_bundle,
+)
+from omnigraph.pipelines.laya.graph import CheckpointInvalid
+
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+INPUTS = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")
+BUNDLE_FILES = {"graph.onnx", "weights.bin", "inputs.npz", "tokenizer.json", "tokenizer_config.json",
+                "rl_agent_config.json"}
+
+
+def _session(bundle) -> ort.InferenceSession:
+    return ort.InferenceSession(str(bundle.graph_path), providers=["CPUExecutionProvider"])
+
+
+def _run(session: ort.InferenceSession, batch: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    logits, act_logits = session.run(["logits", "act_logits"], {name: batch[name] for name in INPUTS})
+    return logits, act_logits
+
+
+def _probabilities(logits: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    logits = np.where(valid, logits, -1e4).astype(np.float64)
+    exp = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def _no_leftovers(out: Path) -> bool:
+    return not out.exists() and not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
+
+
+@pytest.mark.parametrize("size", ["tiny", "small"])
+def test_fp32_bundle_matches_the_reference_model(size, request):
+    session = _session(request.getfixturevalue(f"laya_{size}_bundle"))
+    batches = request.getfixturevalue(f"laya_{size}_batches")
+    assert {b["marker_pos"].shape[1] for b in batches} >= {1, 2, 100}  # dynamic M, incl. 1 and 100 slots
+    for batch, (expected_logits, expected_act) in zip(batches, request.getfixturevalue(f"laya_{size}_expected")):
+        logits, act_logits = _run(session, batch)
+        assert logits.dtype == np.float32 and logits.shape == batch["marker_pos"].shape
+        assert act_logits.shape == (batch["qtype"].shape[0], 2)
+        np.testing.assert_allclose(logits, expected_logits, rtol=0, atol=1e-4)
+        np.testing.assert_allclose(act_logits, expected_act, rtol=0, atol=1e-4)
+        assert np.all(logits[~batch["marker_mask"]] == -1e4)
+
+
+def test_example_inputs_are_a_bucket_padded_batch_the_reference_agrees_with(laya_tiny_bundle, laya_reference_tiny):
+    with np.load(laya_tiny_bundle.example_inputs_path) as stored:
+        inputs = {name: stored[name] for name in INPUTS}
+    rows, length = inputs["input_ids"].shape
+    assert rows & (rows - 1) == 0 and length % 16 == 0 and inputs["marker_mask"].dtype == bool
+    assert not inputs["marker_mask"][-1].any()                      # a padding row
+    logits, act_logits = _run(_session(laya_tiny_bundle), inputs)
+    with torch.no_grad():
+        expected_logits, expected_act = (t.numpy() for t in laya_reference_tiny.model(
+            *(torch.from_numpy(inputs[name]) for name in INPUTS)))
+    np.testing.assert_allclose(logits, expected_logits, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(act_logits, expected_act, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("size", ["tiny", pytest.param("small", marks=pytest.mark.slow)])
+def test_reduced_precision_keeps_probabilities_and_decisions(size, precision, request, tmp_path):
+    checkpoint = request.getfixturevalue(f"laya_{size}_checkpoint")
+    fp32 = request.getfixturevalue(f"laya_{size}_bundle")
+    bundle = build_bundle(checkpoint, tmp_path / precision, precision=precision)
+    assert bundle.manifest.metadata.precision == precision
+    assert (bundle.root / "weights.bin").stat().st_size < 0.6 * (fp32.root / "weights.bin").stat().st_size
+    session = _session(bundle)
+    expected = request.getfixturevalue(f"laya_{size}_expected")
+    for batch, (expected_logits, expected_act) in zip(request.getfixturevalue(f"laya_{size}_batches"), expected):
+        valid = batch["marker_mask"]
+        logits, act_logits = _run(session, batch)
+        p, expected_p = _probabilities(logits, valid), _probabilities(expected_logits, valid)
+        assert np.abs(p - expected_p)[valid].max() <= 0.002
+        act, expected_act_p = _probabilities(act_logits, True)[:, 0], _probabilities(expected_act, True)[:, 0]
+        assert np.abs(act - expected_act_p).max() <= 0.002
+        ranked = np.sort(np.where(valid, expected_p, -1), axis=-1)
+        decisive = (valid.sum(-1) >= 2) & (ranked[:, -1] - ranked[:, -min(2, ranked.shape[1])] > 0.01)
+        assert np.array_equal(p.argmax(-1)[decisive], expected_p.argmax(-1)[decisive])
+
+
+def test_graph_io_contract(laya_tiny_bundle):
+    model = onnx.load(str(laya_tiny_bundle.graph_path), load_external_data=False)
+
+    def signature(values):
+        return {v.name: (onnx.TensorProto.DataType.Name(v.type.tensor_type.elem_type),
+                         [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]) for v in values}
+
+    assert signature(model.graph.input) == {
+        "input_ids": ("INT64", ["B", "L"]),
+        "attention_mask": ("INT64", ["B", "L"]),
+        "marker_pos": ("INT64", ["B", "M"]),
+        "marker_mask": ("BOOL", ["B", "M"]),
+        "qtype": ("INT64", ["B"]),
+    }
+    assert signature(model.graph.output) == {"logits": ("FLOAT", ["B", "M"]), "act_logits": ("FLOAT", ["B", 2])}
+    assert {o.version for o in model.opset_import if o.domain in ("", "ai.onnx")} == {17}
+    locations = {entry.value for init in model.graph.initializer for entry in init.external_data
+                 if entry.key == "location"}
+    assert locations == {"weights.bin"}
+    assert all(init.data_location == onnx.TensorProto.EXTERNAL for init in model.graph.initializer)
+
+
+def test_manifest_verifies_and_describes_the_bundle(laya_tiny_bundle, laya_tiny_checkpoint):
+    bundle = verify_bundle(laya_tiny_bundle.root)
+    assert bundle.manifest.component == "laya.decision"
+    assert set(bundle.manifest.files) == BUNDLE_FILES
+    metadata = bundle.manifest.metadata
+    assert metadata.graph_file == "graph.onnx" and metadata.example_inputs_file == "inputs.npz"
+    assert metadata.precision == "fp32" and metadata.checkpoint_revision.startswith("sha256:")
+    agent_config = json.loads((laya_tiny_checkpoint / "rl_agent_config.json").read_text())
+    encoder = json.loads((laya_tiny_checkpoint / "encoder" / "config.json").read_text())
+    assert metadata.layout | {"inputs": None, "outputs": None} == {
+        "rows": "pow2", "length_multiple": 16, "length_multiple_above_256": 64, "marker_bucket": "pow2",
+        "max_len": 512, "head_max_len": 192, "option_tokens": 48, "pad_id": encoder["pad_token_id"],
+        "cls_id": encoder["cls_token_id"], "sep_id": encoder["sep_token_id"], "mask_id": encoder["pad_token_id"] + 1,
+        "qtypes": ["choice", "score", "noul"], "option_layout": "sequential", "masked_logit": -1e4,
+        "inputs": None, "outputs": None}
+    temperatures = {key: agent_config[key] for key in ("temperature", "temperature_by_options")}
+    version = hashlib.sha256(json.dumps(temperatures, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert metadata.calibration == {**temperatures, "version": version}
+    assert metadata.exporter["opset"] == 17 and metadata.exporter["torch"] == torch.__version__
+    assert max(metadata.validation["max_abs_diff"].values()) < 1e-4
+    for member, source in (("tokenizer.json", "tokenizer/tokenizer.json"), ("rl_agent_config.json", "rl_agent_config.json")):
+        assert bundle.file(member).read_bytes() == (laya_tiny_checkpoint / source).read_bytes()
+
+
+def test_a_tampered_bundle_is_refused(laya_tiny_bundle, tmp_path):
+    copy = Path(shutil.copytree(laya_tiny_bundle.root, tmp_path / "copy"))
+    with open(copy / "weights.bin", "r+b") as weights:
+        weights.seek(100)
+        weights.write(b"\x00\x01\x02\x03")
+    with pytest.raises(BundleHashMismatch, match="weights.bin"):
+        verify_bundle(copy)
+
+
+def _corrupt(checkpoint: Path, out: Path, edit) -> Path:
+    copy = Path(shutil.copytree(checkpoint, out))
+    tensors = safetensors_torch.load_file(str(copy / "model.safetensors"))
+    edit(tensors)
+    safetensors_torch.save_file(tensors, str(copy / "model.safetensors"))
+    return copy
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.pop("encoder.layers.2.attn.Wqkv.weight"),
+     r"missing tensor 'encoder.layers.2.attn.Wqkv.weight' \(shape \(192, 64\)\)"),
+    (lambda t: t.update({"scorer.1.weight": torch.zeros(64, 32)}),
+     r"tensor 'scorer.1.weight' has shape \(64, 32\), expected \(64, 64\)"),
+    (lambda t: t.update({"encoder.layers.0.attn_norm.weight": torch.ones(64)}),
+     r"unexpected tensor 'encoder.layers.0.attn_norm.weight'"),
+    (lambda t: t["act_head.0.weight"].__setitem__((0, 0), float("nan")),
+     r"tensor 'act_head.0.weight' holds NaN"),
+])
+def test_a_corrupted_checkpoint_names_the_tensor_and_leaves_no_bundle(laya_tiny_checkpoint, tmp_path, edit, message):
+    checkpoint = _corrupt(laya_tiny_checkpoint, tmp_path / "checkpoint", edit)
+    out = tmp_path / "bundles" / "laya"
+    out.parent.mkdir()
+    with pytest.raises(CheckpointInvalid, match=message):
+        build_bundle(checkpoint, out)
+    assert _no_leftovers(out)
+
+
+def test_a_missing_checkpoint_file_is_named(laya_tiny_checkpoint, tmp_path):
+    checkpoint = Path(shutil.copytree(laya_tiny_checkpoint, tmp_path / "checkpoint"))
+    (checkpoint / "tokenizer" / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointInvalid, match="missing checkpoint file tokenizer/tokenizer.json"):
+        build_bundle(checkpoint, tmp_path / "out")
+    assert _no_leftovers(tmp_path / "out")
+
+
+def test_bad_arguments_are_refused_before_anything_is_written(laya_tiny_checkpoint, laya_tiny_bundle, tmp_path):
+    with pytest.raises(ValueError, match="precision must be one of fp32, fp16, bf16, got 'int8'"):
+        build_bundle(laya_tiny_checkpoint, tmp_path / "out", precision="int8")
+    assert _no_leftovers(tmp_path / "out")
+    before = laya_tiny_bundle.manifest_sha256
+    with pytest.raises(FileExistsError):
+        build_bundle(laya_tiny_checkpoint, laya_tiny_bundle.root)
+    assert verify_bundle(laya_tiny_bundle.root).manifest_sha256 == before
+
+
+@pytest.mark.skipif(importlib.util.find_spec(FAST_OPS_MODULE) is not None, reason="the custom-op library is installed")
+def test_fast_bundles_need_the_custom_op_library(laya_tiny_checkpoint, tmp_path):
+    with pytest.raises(ValueError, match="fast bundles need the omnigraph custom-op library"):
+        build_bundle(laya_tiny_checkpoint, tmp_path / "fast", fast=True)
+    assert _no_leftovers(tmp_path / "fast")
+
+
+def test_default_bundle_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNIGRAPH_CACHE", str(tmp_path))
+    path = default_bundle()
+    assert path.parent == tmp_path / "bundles"
+    bundle = verify_bundle(path)
+    assert bundle.manifest.component == "laya.decision" and bundle.manifest.metadata.precision == "fp32"
+    stamp = os.stat(path / "manifest.json").st_mtime_ns
+    assert default_bundle() == path
+    assert os.stat(path / "manifest.json").st_mtime_ns == stamp
