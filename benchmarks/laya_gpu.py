@@ -57,7 +57,10 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Mapping
+
+if TYPE_CHECKING:
+    from omnigraph.pipelines.deploy import DeployConfig
 
 # Run as a script, this folder is sys.path[0], where benchmarks/http.py shadows the standard
 # library's `http` (which torch and httpx import); the harness imports nothing from this folder.
@@ -365,28 +368,36 @@ def case_laya_cuda(run: Run, checkpoint: Path, lengths: list[LengthRequests]) ->
         engine.close()
 
 
-def _route_fields(run: Run, name: str, cuda_graph: bool) -> dict[str, Any]:
-    """The worker route of an ort case (WorkerRoute / the deploy YAML's backend keys)."""
+def ort_plan(run: Run, case: str, bundle: Path) -> DeployConfig:
+    """The one-stage deploy plan of an ort case; its engine path runs that plan's worker route."""
+    from omnigraph.pipelines.deploy import GRAPH_BACKEND, validate_deploy_config
+
+    _, cuda_graph = ORT_CASES[case]
     if run.args.device == "cpu":
-        return {"route": {"name": name, "interpreter": sys.executable, "ep": "cpu"},
-                "allowed_providers": ["CPUExecutionProvider"], "min_fraction_on_target": 1.0}
-    route = {"name": name, "interpreter": sys.executable, "ep": "cuda", "device_id": 0,
-             "enable_cuda_graph": cuda_graph}
-    if run.args.strict_placement:
-        return {"route": route, "allowed_providers": ["CUDAExecutionProvider"], "min_fraction_on_target": 1.0}
-    return {"route": route, "allowed_providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
-            "min_fraction_on_target": 0.0}
+        route = {"name": f"bench-{case}", "interpreter": sys.executable, "ep": "cpu"}
+        placement = {"allowed_providers": ["CPUExecutionProvider"], "min_fraction_on_target": 1.0}
+    else:
+        route = {"name": f"bench-{case}", "interpreter": sys.executable, "ep": "cuda", "device_id": 0,
+                 "enable_cuda_graph": cuda_graph}
+        placement = ({"allowed_providers": ["CUDAExecutionProvider"], "min_fraction_on_target": 1.0}
+                     if run.args.strict_placement else
+                     {"allowed_providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
+                      "min_fraction_on_target": 0.0})
+    return validate_deploy_config({
+        "pipeline": "laya",
+        "stages": [{"stage_id": 0,
+                    "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle), "route": route, **placement}}],
+    })
 
 
 def case_ort(run: Run, case: str, bundle: Path, lengths: list[LengthRequests]) -> None:
     """One bundle on one route: engine-only through a graph worker, then end to end through AsyncOmni."""
-    _, cuda_graph = ORT_CASES[case]
-    fields = _route_fields(run, f"bench-{case}", cuda_graph)
+    plan = ort_plan(run, case, bundle)
     failed = []
     for path, measure in (("engine", _ort_engine), ("e2e", _ort_e2e)):
         name = f"{case} {path}"
         try:
-            measure(run, name, bundle, fields, lengths)
+            measure(run, name, plan, lengths)
             run.add(name, "status", "ok", "")
         except Exception as error:  # one path failing leaves the other to run
             failed.append(path)
@@ -397,18 +408,17 @@ def case_ort(run: Run, case: str, bundle: Path, lengths: list[LengthRequests]) -
         raise RuntimeError(f"{' and '.join(failed)} failed (see the '{case} <path>' status rows)")
 
 
-def _ort_engine(run: Run, name: str, bundle: Path, fields: dict[str, Any], lengths: list[LengthRequests]) -> None:
+def _ort_engine(run: Run, name: str, plan: DeployConfig, lengths: list[LengthRequests]) -> None:
     from omnigraph.bundles import verify_bundle
     from omnigraph.pipelines.laya.processor import LayaProcessor
+    from omnigraph.stages.runtime import worker_route
     from omnigraph.workers.client import WorkerClient
-    from omnigraph.workers.route import WorkerRoute
 
-    verified = verify_bundle(bundle)
+    (stage,) = plan.stages
+    verified = verify_bundle(stage.backend.manifest)
     processor = LayaProcessor({0: verified})
-    route = WorkerRoute(**fields["route"], allowed_providers=tuple(fields["allowed_providers"]),
-                        min_fraction_on_target=fields["min_fraction_on_target"])
     started = time.perf_counter()
-    client = WorkerClient.start(route, generation=1, startup_timeout=run.args.startup_timeout)
+    client = WorkerClient.start(worker_route(stage), generation=1, startup_timeout=run.args.startup_timeout)
     try:
         report = client.load(verified.manifest_path, timeout=run.args.startup_timeout)
         run.add(name, "load_s", round(time.perf_counter() - started, 3), "s",
@@ -435,14 +445,9 @@ def _ort_engine(run: Run, name: str, bundle: Path, fields: dict[str, Any], lengt
         client.close()
 
 
-def _ort_e2e(run: Run, name: str, bundle: Path, fields: dict[str, Any], lengths: list[LengthRequests]) -> None:
-    from omnigraph.pipelines.deploy import GRAPH_BACKEND, validate_deploy_config
+def _ort_e2e(run: Run, name: str, plan: DeployConfig, lengths: list[LengthRequests]) -> None:
     from omnigraph.plugin.omni import AsyncOmni
 
-    plan = validate_deploy_config({
-        "pipeline": "laya",
-        "stages": [{"stage_id": 0, "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle), **fields}}],
-    })
     started = time.perf_counter()
     omni = AsyncOmni(model="laya", deploy_config=plan, startup_timeout=run.args.startup_timeout)
     run.add(name, "load_s", round(time.perf_counter() - started, 3), "s")
@@ -580,14 +585,14 @@ def report_lines(rows: list[dict]) -> Iterator[str]:
            f"laya-cuda {'/'.join(map(str, BAR_LAYA_CUDA_MS.values()))} (published at 174, not 176)")
     lengths = sorted({row["length"] for row in rows if row["case"] == "requests"})
     tokens = {length: _value(rows, "requests", "tokens", length) for length in lengths}
-    header = "".join(f"{f'L{length} ({tokens[length]} tok)':>20}" for length in lengths)
+    header = "".join(f" {f'L{length} ({tokens[length]} tok)':>21}" for length in lengths)
     yield f"{'p50 / p99 ms, batch 1':<24}{header}{'load_s':>9}{'drift':>9}{'flips':>6}"
     timed = [row["case"] for row in rows if row["metric"] == "p50_ms"]
     for case in dict.fromkeys(timed):
         cells = ""
         for length in lengths:
             p50, p99 = _value(rows, case, "p50_ms", length), _value(rows, case, "p99_ms", length)
-            cells += f"{'-' if p50 is None else f'{p50:.3f} / {p99:.3f}':>20}"
+            cells += f" {'-' if p50 is None else f'{p50:.3f} / {p99:.3f}':>21}"
         load, drift, flips = (_value(rows, case, metric) for metric in ("load_s", "max_prob_drift", "decision_flips"))
         yield f"{case:<24}{cells}{'-' if load is None else load:>9}{'-' if drift is None else drift:>9}" \
               f"{'-' if flips is None else flips:>6}"
