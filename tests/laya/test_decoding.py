@@ -67,6 +67,9 @@ def _questions(rng: random.Random) -> dict:
                                   "criteria": [rng.choice(("lvl", {"d": j}, j)) for j in range(k)]}
         else:
             questions[f"n{i}"] = {"type": "noul", "instructions": "x"}
+            k = 2
+        if i % 4 == 0:  # shown in a shuffled slot order: the probabilities come back per option
+            questions[list(questions)[-1]]["option_order"] = rng.sample(range(k), k)
     return questions
 
 

@@ -128,6 +128,9 @@ def generate_request(rng: random.Random) -> dict:
             question, options_left = _score(rng, n), options_left - n
         else:
             question = _noul(rng)
+        if rng.random() < 0.15:
+            n_options = len(question.get("criteria") or ()) if question["type"] != "noul" else 2
+            question["option_order"] = rng.sample(range(n_options), n_options)
         qid = rng.choice((f"q{i}", f"réponse_{i}", f"{i}", f"question {i}"))
         questions[qid] = question
     return {"state": _state(rng), "questions": questions}
@@ -160,8 +163,10 @@ def _reference_rows(agent, request) -> list[tuple[list[int], list[int]]]:
     state = request["state"]
     out = []
     for qid, qdef in request["questions"].items():
-        ids, markers = build_sequence(agent.tok, state, Agent._to_internal(qdef),
+        internal = Agent._to_internal(qdef)
+        ids, markers = build_sequence(agent.tok, state, internal,
                                       agent.cfg.get("max_len", 512), agent.cfg.get("head_max_len", 192),
+                                      option_order=internal.get("option_order"),
                                       truncate_left=isinstance(state, list))
         out.append((ids, markers))
     return out
@@ -234,6 +239,7 @@ def test_generated_requests_cover_the_cases_they_claim():
     assert any(isinstance(r["state"], list) for r in REQUESTS)
     assert any(len(r["questions"]) > 1 for r in REQUESTS)
     assert any("[MASK]" in str(r) for r in REQUESTS) and any("日本語" in str(r) for r in REQUESTS)
+    assert sum("option_order" in q for q in questions) > 20
 
 
 @pytest.mark.parametrize("pair", ["tiny", "small"], indirect=True)

@@ -77,6 +77,13 @@ REFUSED = [
     ("noul labels equal", _noul(labels={"false": "x", "true": " x "}), "questions.q.labels", False),
     ("noul labels blank", _noul(labels={"false": " ", "true": "y"}), "questions.q.labels", False),
     ("noul labels not strings", _noul(labels={"false": 0, "true": 1}), "questions.q.labels", False),
+    ("option order repeats a slot", _one({"type": "choice", "instructions": "x", "criteria": ["a", "b"],
+                                          "option_order": [0, 0]}), "questions.q.option_order", False),
+    ("option order too short", _one({"type": "score", "instructions": "x", "criteria": ["a", "b", "c"],
+                                     "option_order": [2, 1]}), "questions.q.option_order", False),
+    ("option order of floats", _noul(option_order=[1.0, 0]), "questions.q.option_order", False),
+    ("option order of bools", _noul(option_order=[True, False]), "questions.q.option_order", False),
+    ("option order a string", _noul(option_order="10"), "questions.q.option_order", False),
     ("over 512 options in all", {"state": STATE, "questions": {
         f"q{i}": {"type": "choice", "instructions": "x", "criteria": [f"o{j}" for j in range(90)]}
         for i in range(6)}}, "questions", True),
@@ -117,14 +124,17 @@ ACCEPTED = [
     ("noul keys in any case", _noul(criteria={"TRUE": "y", "False": "n"})),
     ("noul null labels", _noul(labels=None)),
     ("noul labels", _noul(labels={"false": " B", "true": "A "})),
+    ("option order", _one({"type": "choice", "instructions": "x", "criteria": ["a", "b", "c"],
+                           "option_order": [2, 0, 1]})),
+    ("noul option order", _noul(option_order=[1, 0])),
     ("surrogate pair", {"state": "emoji \U0001F600", "questions": {}}),
 ]
 
 STRICTER = [
     # The reference ignores unknown fields or accepts these; this server names the field instead.
     ("unknown request field", {"state": STATE, "questions": {}, "max_len": 128}, "max_len"),
-    ("unknown question field", _one({"type": "choice", "instructions": "x", "criteria": ["a", "b"],
-                                     "option_order": [1, 0]}), "questions.q.option_order"),
+    ("unknown question field", _one({"type": "noul", "instructions": "x", "description": "d"}),
+     "questions.q.description"),
     ("number state", {"state": 5, "questions": {}}, "state"),
     ("NaN inside the state", {"state": {"x": float("nan")}, "questions": {}}, "state"),
     ("model not a string", {"model": 3, "state": STATE, "questions": {}}, "model"),
@@ -196,6 +206,9 @@ def test_rendered_options_follow_the_reference_render_options():
     assert choice.keys == ("a", "b", "c", "d", "e") and labels.keys == (7, 2.5, True, "")
     assert score.keys == (0, 1, 2) and score.legend == ("low", '{"d": "mid"}', "3")
     assert noul.options == ("false: no, the statement does not hold", "true: yes, the statement holds")
+    assert noul.slot_order == (0, 1)
+    ordered = parse_request(_one({"type": "noul", "instructions": "x", "option_order": [1, 0]}))
+    assert ordered.questions[0].slot_order == (1, 0)
 
 
 def test_states_serialise_as_the_reference_and_lists_cut_from_the_left():

@@ -88,10 +88,15 @@ def _entropy_confidence(p: np.ndarray, k: int) -> float:
 
 def decode_answer(question: Question, logits: np.ndarray, act_logits: np.ndarray,
                   calibration: Calibration) -> dict[str, Any]:
-    """The answer to ``question`` from its ``k`` option logits and its two action logits."""
+    """The answer to ``question`` from its ``k`` slot logits and its two action logits.
+
+    The logits come in slot order; the probabilities are put back in option order first, so
+    every field below (and a tie's winner) is per option.
+    """
     k = len(question.options)
     row = np.asarray(logits, dtype=np.float32)[:k]
-    p = _softmax(row / calibration.temperature_for(question.qtype, k))
+    p = np.empty_like(row)
+    p[list(question.slot_order)] = _softmax(row / calibration.temperature_for(question.qtype, k))
     answer_confidence = round(min(1.0, max(0.0, float(p.max()))), _DECIMALS)
     action = {"act_probability": round(float(_softmax(np.asarray(act_logits, dtype=np.float32))[0]),
                                        _DECIMALS)}

@@ -34,7 +34,7 @@ QUESTION_TYPES: dict[str, int] = {"choice": 0, "score": 1, "noul": 2}
 NOUL_DEFAULT_TEXTS = ("no, the statement does not hold", "yes, the statement holds")
 
 _REQUEST_KEYS = ("model", "state", "questions")
-_QUESTION_KEYS = ("type", "instructions", "criteria", "labels")
+_QUESTION_KEYS = ("type", "instructions", "criteria", "labels", "option_order")
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
@@ -64,6 +64,7 @@ class Question:
     options: tuple[str, ...]   # rendered option texts, in answer order
     keys: tuple[Any, ...]      # choice: the labels as given; score: level indices; noul: ()
     legend: tuple[str, ...]    # score: the rendered level texts; otherwise ()
+    slot_order: tuple[int, ...]  # the sequence shows option slot_order[s] in slot s
 
 
 @dataclass(frozen=True)
@@ -147,15 +148,30 @@ def _parse_question(qid: Any, qdef: Any, limits: RequestLimits) -> Question:
         raise RequestInvalid(f"{path}.labels", "is only supported for noul questions")
     crit_path = f"{path}.criteria"
     crit = qdef.get("criteria")
+    keys: tuple[Any, ...] = ()
+    legend: tuple[str, ...] = ()
     if qtype == "choice":
         keys, options = _parse_choice(crit, crit_path, limits)
-        return Question(qid, qtype, instructions, options, keys, ())
-    if qtype == "score":
+    elif qtype == "score":
         legend = _parse_score(crit, crit_path, limits)
-        options = tuple(f"level {i}: {text}" for i, text in enumerate(legend))
-        return Question(qid, qtype, instructions, options, tuple(range(len(legend))), legend)
-    options = _parse_noul(crit, crit_path, qdef.get("labels"), f"{path}.labels")
-    return Question(qid, qtype, instructions, options, (), ())
+        keys, options = tuple(range(len(legend))), tuple(f"level {i}: {text}"
+                                                         for i, text in enumerate(legend))
+    else:
+        options = _parse_noul(crit, crit_path, qdef.get("labels"), f"{path}.labels")
+    slot_order = _parse_option_order(qdef.get("option_order"), len(options), f"{path}.option_order")
+    return Question(qid, qtype, instructions, options, keys, legend, slot_order)
+
+
+def _parse_option_order(order: Any, n: int, path: str) -> tuple[int, ...]:
+    """The slot order: a permutation of the option indices, or the options' own order."""
+    if order is None:
+        return tuple(range(n))
+    if (not isinstance(order, (list, tuple)) or len(order) != n
+            or any(isinstance(i, bool) or not isinstance(i, int) for i in order)
+            or sorted(order) != list(range(n))):
+        raise RequestInvalid(path, f"must be a permutation of range({n}) -- one slot per option, "
+                                   f"each option once -- got {order!r}")
+    return tuple(order)
 
 
 def _parse_instructions(qdef: Mapping[str, Any], path: str) -> str:

@@ -131,7 +131,7 @@ class LayaTokenizer:
 
 @dataclass(frozen=True)
 class Row:
-    """One question's token sequence and the position of each option's marker."""
+    """One question's token sequence and the position of each slot's marker."""
 
     ids: tuple[int, ...]
     markers: tuple[int, ...]
@@ -146,7 +146,8 @@ def build_row(tok: LayaTokenizer, question: Question, state_ids: Sequence[int], 
     refuses a question that lost any.
     """
     head = tok.encode(f"{question.qtype} question: {question.instructions}")
-    options = [[tok.mask_id] + ids for ids in tok.encode_options(question.options)]
+    slots = [question.options[i] for i in question.slot_order]
+    options = [[tok.mask_id] + ids for ids in tok.encode_options(slots)]
     budget = head_max_len - sum(len(o) for o in options)
     if budget < _MIN_INSTRUCTION_BUDGET:
         per_option = max(_MIN_OPTION_TOKENS, (head_max_len - _MIN_INSTRUCTION_BUDGET) // len(options))
