@@ -7,6 +7,13 @@
 #
 #   bash benchmarks/gpu/h200_run.sh
 #
+# The device calls, back to back (the machine is given back after ~30 s idle), each within the
+# 64 MiB a call carries (tree ~1 MiB, .whl 3.4 MiB, ort-include 0.5 MiB, a part <= 63 MiB):
+#   run 1-3  carry [.gpu/ortgpu/pN, .gpu/join.sh]   command: bash .gpu/join.sh N
+#   run 4    carry [.gpu/ortgpu/p3, .gpu/join.sh]   command: bash .gpu/join.sh 3
+#   run 5    carry [.whl, .gpu/ort-include]        command: bash benchmarks/gpu/h200_run.sh
+#            timeout_s 600
+#
 # Writes $OUT/laya_gpu.json (rows + targets, rewritten after every case) and $OUT/laya_gpu.log
 # (every step's output), and prints the compact report last. Each step's failure is logged and the
 # run goes on; the benchmark skips, with the reason, whatever a failed step left missing.
@@ -15,9 +22,10 @@
 #   1. install the carried wheels into $SITE                              ~5 s
 #   2. preflight: a torch-free CUDA session, versions, providers, imports ~15 s
 #   3. op library (nvcc, sm_90a) and the full synthetic checkpoint,
-#      side by side                                                       ~45 s
+#      side by side (here, on a busy 2-core machine: 51 s and 46-106 s)   ~45 s
 #   4. the bf16, fast and fp32 bundles of that checkpoint, side by side
-#      (export + ORT validation each; 2-core CPU machine: ~5 min apiece)   ~2 min
+#      (export + ORT CPU validation each; the bf16 one took 7.3 min here
+#      on a busy 2-core machine, of which 1.8 min CPU)                    ~2 min
 #   5. laya_gpu.py: laya (~45 s), laya-cuda (~15 s), then ort-fast-graph,
 #      ort-fast, ort-bf16, ort-fp32 (~45 s each: two loads, 3 x 220 calls) ~4.5 min
 # The benchmark gets --time-budget so that no case starts after about 8.5 minutes from the start

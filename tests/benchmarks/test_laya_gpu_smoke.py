@@ -74,16 +74,28 @@ def test_targets_compare_the_product_with_measured_or_stated_bars() -> None:
             + _p50_rows("ort-bf16 engine", {512: 3.0}) + _p50_rows("ort-fast engine", {512: 1.5}))
     by_name = {(row["metric"], row["length"]): row for row in harness.targets(rows, {})}
 
-    assert by_name[("ort-fast-graph e2e p50 <= 0.6 ms", 64)]["status"] == "met"
-    assert by_name[("ort-fast-graph e2e p50 <= 0.9 ms", 176)]["status"] == "missed"
+    met = by_name[("ort-fast-graph e2e p50 <= 0.6 ms", 64)]
+    assert (met["status"], met["margin"]) == ("met", 1.2)
+    missed = by_name[("ort-fast-graph e2e p50 <= 0.9 ms", 176)]
+    assert (missed["status"], missed["margin"]) == ("missed", 0.9)
     speedup = by_name[("laya reference p50 / ort-fast-graph e2e p50 >= 3.0x", 512)]
-    assert (speedup["value"], speedup["status"]) == (2.5, "missed")
+    assert (speedup["value"], speedup["margin"], speedup["status"]) == (2.5, 0.833, "missed")
     assert "measured in this run" in speedup["detail"]
     # laya-cuda did not run: its stated bar (4.56 ms at 512) stands in, and says so.
     versus_cuda = by_name[("laya-cuda p50 / ort-fast-graph e2e p50 > 1.0x", 512)]
     assert (versus_cuda["value"], versus_cuda["status"]) == (3.8, "met")
     assert "stated bar" in versus_cuda["detail"]
     assert by_name[("ort-bf16 engine p50 / ort-fast engine p50 >= 1.5x", 512)]["status"] == "met"
+
+
+def test_drift_target_fails_on_a_decisive_flip_however_small_the_drift() -> None:
+    rows = [{"case": "ort-fast e2e", "metric": "max_prob_drift", "value": 0.001, "unit": "probability"},
+            {"case": "ort-fast e2e", "metric": "decision_flips", "value": 1, "unit": "count"},
+            {"case": "ort-bf16 e2e", "metric": "max_prob_drift", "value": 0.001, "unit": "probability"},
+            {"case": "ort-bf16 e2e", "metric": "decision_flips", "value": 0, "unit": "count"}]
+    drift = {row["metric"].split()[0]: row for row in harness.targets(rows, {}) if "p_fp32" in row["metric"]}
+    assert (drift["ort-fast"]["status"], drift["ort-fast"]["margin"]) == ("missed", 2.0)
+    assert (drift["ort-bf16"]["status"], drift["ort-bf16"]["margin"]) == ("met", 2.0)
 
 
 def test_targets_without_the_product_are_not_measured() -> None:
