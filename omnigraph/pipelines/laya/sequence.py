@@ -53,6 +53,7 @@ PROMPT_TEMPLATE = json.dumps({
     "option": "' ' + text, first %d tokens; choice 'label: description' or 'label'; "
               "score 'level i: description'; noul '{false}: ...', '{true}: ...'" % OPTION_TOKEN_LIMIT,
     "noul_defaults": list(NOUL_DEFAULT_TEXTS),
+    "option_slots": "in the question's option_order when it gives one",
     "mask_token_in_text": "replaced by ' '",
     "head_budget": "options cut to max(%d, (head_max_len - %d) // n) tokens when fewer than %d "
                    "are left; instructions cut to max(%d, head_max_len - option tokens)"
