@@ -1,11 +1,12 @@
 """HTTP throughput and latency: `omnigraph serve` against `laya-serve` on the same checkpoint.
 
-Both servers run on 127.0.0.1 in this one run, over the same synthetic checkpoint (`small` by
-default: `omnigraph serve --bundle` on its exported bundle, `laya-serve` on the checkpoint folder
-through `LAYA_EXTRA_MODELS`). For each concurrency, closed-loop clients send the same decision
-request for a fixed time; rows are median / p99 latency and requests/s per server, the
-omnigraph / laya-serve throughput ratio, and whether both servers gave equal answers
-(probabilities within 1e-3).
+The servers run on 127.0.0.1 at once, over the same synthetic checkpoint (`small` by default):
+`omnigraph serve --bundle` on its exported bundle, the same bundle as two single-threaded
+replicas through a deploy YAML ("omnigraph 2x1"), and `laya-serve` on the checkpoint folder
+through `LAYA_EXTRA_MODELS`. For each concurrency, closed-loop clients send the same decision
+request to each server in turn, for a fixed time each. Rows: median / p99 latency and requests/s
+per server, each omnigraph / laya-serve throughput ratio, and whether the servers gave equal
+answers (probabilities within 1e-3).
 
     python benchmarks/http.py --json benchmarks/results/http-cpu.json
 """
@@ -30,7 +31,9 @@ import socket
 import statistics
 import subprocess
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from importlib.metadata import version
 from typing import Any, Iterator
 
 import httpx
@@ -48,6 +51,30 @@ REQUEST = {
     },
 }
 ANSWER_TOLERANCE = 1e-3
+# "omnigraph 2x1": the same bundle as two single-threaded worker replicas (ORT's default is one
+# session using every core, which oversubscribes a 2-core machine once requests overlap).
+TUNED_PLAN = """\
+pipeline: laya
+max_queued_requests: 64
+stages:
+  - stage_id: 0
+    num_replicas: 2
+    backend:
+      name: external.graph.v1
+      manifest: {manifest}
+      route: {{name: local-cpu, interpreter: {python}, ep: cpu, intra_op_num_threads: 1}}
+"""
+
+
+@dataclass(frozen=True)
+class ServerCase:
+    """How to start one server under test; its port goes to `--port`, or to `port_env` when set."""
+
+    command: tuple[str, ...]
+    env: dict[str, str]
+    ready_path: str
+    body: dict
+    port_env: str | None = None
 
 
 def _free_port() -> int:
@@ -124,6 +151,12 @@ async def _load(base: str, body: dict, concurrency: int, seconds: float) -> dict
             "requests_per_s": len(latencies) / elapsed, "requests": len(latencies), "failures": failures}
 
 
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
+    return names[0] if names else platform.machine()
+
+
 def _core(answers: dict) -> dict:
     keep = ("type", "choice", "score", "noul", "probabilities")
     return {qid: {key: answer[key] for key in keep if key in answer} for qid, answer in answers.items()}
@@ -149,35 +182,43 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpoint, bundle = _bundle_for(args.size)
     logs = Path(os.environ.get("TMPDIR", "/tmp"))
-    servers = {
-        # laya-serve has no request deadline; give omnigraph's one the same room as the client's timeout.
-        "omnigraph": ([sys.executable, "-m", "omnigraph.plugin.cli", "serve", "--bundle", str(bundle)],
-                      {"OMNIGRAPH_REQUEST_DEADLINE_S": "120"}, "/ready", REQUEST),
-        "laya-serve": ([str(Path(sys.executable).with_name("laya-serve"))],
-                       {"LAYA_EXTRA_MODELS": json.dumps({"english": str(checkpoint)}), "LAYA_MODELS": "english",
-                        "LAYA_HOST": "127.0.0.1", "LAYA_LOG_LEVEL": "warning", "LAYA_MAX_CONCURRENT": "256"},
-                       "/health", {**REQUEST, "model": "english"}),
+    tuned_plan = logs / "bench-http-omnigraph-2x1.yaml"
+    tuned_plan.write_text(TUNED_PLAN.format(manifest=bundle / "manifest.json", python=sys.executable))
+    omnigraph = [sys.executable, "-m", "omnigraph.plugin.cli", "serve"]
+    # laya-serve has no request deadline; omnigraph's gets the same room as the client's timeout.
+    no_deadline = {"OMNIGRAPH_REQUEST_DEADLINE_S": "120"}
+    cases = {
+        "omnigraph": ServerCase((*omnigraph, "--bundle", str(bundle)), no_deadline, "/ready", REQUEST),
+        "omnigraph 2x1": ServerCase((*omnigraph, "--deploy-config", str(tuned_plan)), no_deadline, "/ready", REQUEST),
+        "laya-serve": ServerCase((str(Path(sys.executable).with_name("laya-serve")),),
+                                 {"LAYA_EXTRA_MODELS": json.dumps({"english": str(checkpoint)}),
+                                  "LAYA_MODELS": "english", "LAYA_HOST": "127.0.0.1", "LAYA_LOG_LEVEL": "warning",
+                                  "LAYA_MAX_CONCURRENT": "256"},
+                                 "/health", {**REQUEST, "model": "english"}, port_env="LAYA_PORT"),
     }
-    measured: dict[str, dict[int, dict[str, float]]] = {}
+    measured: dict[str, dict[int, dict[str, float]]] = {name: {} for name in cases}
     answers: dict[str, dict] = {}
-    for name, (command, env, ready_path, body) in servers.items():
-        port = _free_port()
-        if name == "omnigraph":
-            command = [*command, "--port", str(port)]
-        else:
-            env = {**env, "LAYA_PORT": str(port)}
-        with _server(command, env, port, ready_path, logs / f"bench-http-{name}.log") as base:
-            answers[name] = httpx.post(f"{base}/v1/systemone", json=body, timeout=60).raise_for_status().json()["answers"]
-            asyncio.run(_load(base, body, 1, 2.0))  # warm both the server and the client
-            measured[name] = {c: asyncio.run(_load(base, body, c, args.seconds)) for c in args.concurrency}
+    with ExitStack() as running:
+        bases = {}
+        for name, case in cases.items():
+            port = _free_port()
+            command = [*case.command] if case.port_env else [*case.command, "--port", str(port)]
+            env = {**case.env, case.port_env: str(port)} if case.port_env else case.env
+            log = logs / f"bench-http-{name.replace(' ', '-')}.log"
+            bases[name] = running.enter_context(_server(command, env, port, case.ready_path, log))
+            answers[name] = httpx.post(f"{bases[name]}/v1/systemone", json=case.body,
+                                       timeout=60).raise_for_status().json()["answers"]
+            asyncio.run(_load(bases[name], case.body, 1, 2.0))  # warm the server and the client
+        # All servers stay up and take turns per concurrency, so a busy machine weighs on each alike.
+        for concurrency in args.concurrency:
+            for name, case in cases.items():
+                measured[name][concurrency] = asyncio.run(_load(bases[name], case.body, concurrency, args.seconds))
 
-    identity = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                "python": platform.python_version(), "checkpoint": f"synthetic {args.size}",
+    identity = {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                "versions": {package: version(package) for package in ("omnigraph", "onnxruntime", "laya", "torch")},
+                "load_average_1m": os.getloadavg()[0], "checkpoint": f"synthetic {args.size}",
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
-    with open("/proc/cpuinfo") as cpuinfo:
-        identity["cpu"] = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-                               identity["cpu"])
+                "command": " ".join(["python", sys.argv[0], *(argv if argv is not None else sys.argv[1:])])}
     rows = []
     units = {"median_latency_ms": "ms", "p99_latency_ms": "ms", "requests_per_s": "1/s", "requests": "count",
              "failures": "count"}
@@ -186,13 +227,16 @@ def main(argv: list[str] | None = None) -> int:
             for metric, value in values.items():
                 rows.append({"case": f"{name} c={concurrency}", "metric": metric, "value": round(value, 3),
                              "unit": units[metric], **identity})
-    for concurrency in args.concurrency:
-        ratio = measured["omnigraph"][concurrency]["requests_per_s"] / measured["laya-serve"][concurrency]["requests_per_s"]
-        rows.append({"case": f"omnigraph/laya-serve c={concurrency}", "metric": "throughput_ratio",
-                     "value": round(ratio, 3), "unit": "x", **identity})
-    equal = _equal_answers(answers["omnigraph"], answers["laya-serve"])
-    rows.append({"case": "omnigraph vs laya-serve", "metric": "equal_answers", "value": int(equal), "unit": "bool",
-                 **identity})
+    equal = True
+    for name in ("omnigraph", "omnigraph 2x1"):
+        for concurrency in args.concurrency:
+            ratio = measured[name][concurrency]["requests_per_s"] / measured["laya-serve"][concurrency]["requests_per_s"]
+            rows.append({"case": f"{name}/laya-serve c={concurrency}", "metric": "throughput_ratio",
+                         "value": round(ratio, 3), "unit": "x", **identity})
+        same = _equal_answers(answers[name], answers["laya-serve"])
+        rows.append({"case": f"{name} vs laya-serve", "metric": "equal_answers", "value": int(same), "unit": "bool",
+                     **identity})
+        equal = equal and same
 
     print(f"{'case':<34} {'metric':<18} {'value':>12} unit")
     for row in rows:

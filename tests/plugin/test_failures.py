@@ -104,3 +104,11 @@ def test_a_dead_stage_turns_health_to_503_and_requests_fail_fast(start_server):
     later = _decide(server)
     assert later.status_code == 503 and "stage" in later.json()["detail"]
     assert time.monotonic() - started < 20
+
+
+def test_a_pipeline_that_cannot_start_stops_the_server_with_the_reason(start_server, tmp_path):
+    server = start_server("--bundle", str(tmp_path / "no-such-bundle"), ready=False)
+    assert server.process.wait(120) == 1
+    last_line = server.log.read_text().strip().splitlines()[-1]
+    assert last_line.startswith("omnigraph: error: ServerStartupError: startup failed:")
+    assert "no-such-bundle" in last_line

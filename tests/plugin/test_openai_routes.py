@@ -1,10 +1,13 @@
 """The official `openai` client, unchanged, against a real `omnigraph serve`."""
 
+import enum
 import json
 import math
+import typing
 
 import httpx
 import openai
+import pydantic
 import pytest
 
 TICKET_FORMAT = {
@@ -103,3 +106,22 @@ def test_openai_routes_answer_body_errors_in_openai_shape(demo_server):
     assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
     response = httpx.post(f"{demo_server.url}/v1/chat/completions", content=b"{}", headers={"content-type": "text/plain"})
     assert response.status_code == 415 and "error" in response.json()
+
+
+class Team(str, enum.Enum):
+    billing = "billing"
+    support = "support"
+
+
+class Ticket(pydantic.BaseModel):
+    team: Team = pydantic.Field(description="Which team should handle this message?")
+    refund: bool = pydantic.Field(description="Does the customer ask for a refund?")
+    urgency: int = pydantic.Field(ge=1, le=3, description="How urgent is it?")
+    tone: typing.Literal["calm", "angry"]
+
+
+def test_the_clients_pydantic_parse_helper_works(client):
+    # The client turns the model into a strict json_schema ($defs for the enum) and parses the answer back.
+    completion = client.chat.completions.parse(model="laya", messages=MESSAGES, response_format=Ticket)
+    ticket = completion.choices[0].message.parsed
+    assert isinstance(ticket, Ticket) and 1 <= ticket.urgency <= 3 and ticket.tone in ("calm", "angry")

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from omnigraph.plugin.api.errors import ApiError, decision_error_body
-from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json
+from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json, run_decision
 from omnigraph.plugin.api.service import Decision, DecisionService
 
 MAX_BATCH_STATES = 64
@@ -45,13 +45,6 @@ def answer_body(service: DecisionService, decision: Decision) -> dict:
     return response
 
 
-async def _decide(request: Request, prompt: dict, request_id: str) -> Decision:
-    service: DecisionService = request.app.state.service
-    decision = await service.decide(prompt, request_id=request_id)
-    request.app.state.metrics.observe_stages(decision.stage_durations)
-    return decision
-
-
 @router.post("/v1/systemone")
 async def systemone(request: Request) -> JSONResponse:
     service: DecisionService = request.app.state.service
@@ -59,14 +52,14 @@ async def systemone(request: Request) -> JSONResponse:
     check_model(body, service)
     service.check_available()
     prompt = {key: value for key, value in body.items() if key != "model"}
-    decision = await cancel_on_disconnect(request, _decide(request, prompt, f"sys-{uuid.uuid4().hex}"))
+    decision = await cancel_on_disconnect(request, run_decision(request, prompt, f"sys-{uuid.uuid4().hex}"))
     return JSONResponse(answer_body(service, decision))
 
 
 async def _batch_item(request: Request, prompt: dict, request_id: str) -> dict:
     """One state's answer, or its own error (`status`, `detail`, `field`): one failure fails only itself."""
     try:
-        return answer_body(request.app.state.service, await _decide(request, prompt, request_id))
+        return answer_body(request.app.state.service, await run_decision(request, prompt, request_id))
     except ApiError as error:
         return {"status": error.status, **decision_error_body(error)}
 

@@ -1,5 +1,5 @@
-"""What every POST route does around its own logic: read a strict JSON body, and stop work whose
-client has gone away."""
+"""What every POST route does around its own logic: read a strict JSON body, run the decision, and
+stop work whose client has gone away."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi import Request
 
 from omnigraph.plugin.api.body import BodyError, check_content_type, parse_strict_json, read_capped
 from omnigraph.plugin.api.errors import ApiError
+from omnigraph.plugin.api.service import Decision
 
 T = TypeVar("T")
 
@@ -24,6 +25,13 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         return parse_strict_json(raw)
     except BodyError as error:
         raise ApiError.from_body_error(error) from None
+
+
+async def run_decision(request: Request, prompt: dict, request_id: str) -> Decision:
+    """One decision through the app's service, its stage times recorded in the app's metrics."""
+    decision = await request.app.state.service.decide(prompt, request_id=request_id)
+    request.app.state.metrics.observe_stages(decision.stage_durations)
+    return decision
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from omnigraph.plugin.api.errors import ApiError
-from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json
+from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json, run_decision
 from omnigraph.plugin.api.openai_protocol import (
     AssistantMessage,
     ChatCompletion,
@@ -67,13 +67,7 @@ async def chat_completions(request: Request):
     plan = plan_decisions(chat)
     service.check_available()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-
-    async def decide():
-        decision = await service.decide(decision_prompt(chat, plan), request_id=request_id)
-        request.app.state.metrics.observe_stages(decision.stage_durations)
-        return decision
-
-    decision = await cancel_on_disconnect(request, decide())
+    decision = await cancel_on_disconnect(request, run_decision(request, decision_prompt(chat, plan), request_id))
     content, logprobs = completion_content(plan, decision.response["answers"], chat.top_logprobs or 0)
     prompt_tokens = int(decision.response["usage"]["input_tokens"])
     completion = ChatCompletion(

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Mapping, Protocol
@@ -71,7 +70,6 @@ class Decision:
 
     response: dict
     stage_durations: Mapping[int, float]
-    seconds: float
 
 
 class DecisionService:
@@ -157,7 +155,6 @@ class DecisionService:
         None means the server's deadline.
         """
         limit = self.deadline_s if deadline_s is None else deadline_s
-        started = time.perf_counter()
         finished = False
         try:
             async with asyncio.timeout(limit):
@@ -195,4 +192,4 @@ class DecisionService:
         finally:
             if not finished:
                 await self.engine.abort(request_id)
-        return Decision(final.custom_output, final.stage_durations or {}, time.perf_counter() - started)
+        return Decision(final.custom_output, final.stage_durations)
