@@ -42,17 +42,24 @@ __device__ __forceinline__ float WarpSum(float value) {
 
 // ---------------------------------------------------------------------------------------------
 // Attention on the tensor cores: FlashAttention-2 with mma.sync m16n8k16 (BF16/FP16 operands, FP32
-// accumulators), portable to every GPU from sm_80 on. One block of kAttnWarps warps per (query tile
-// of kQueryRows, head, batch row); each warp owns 16 query rows, keeps its Q fragments and its
-// 16 x D output in registers, and walks the key tiles of kKeyRows that can hold a visible key (the
-// sliding window skips the rest), with an FP32 online softmax. Key tiles are double-buffered in
-// shared memory: V arrives by cp.async and K through registers, rotated on the way, while the
-// previous tile is computed. Rotary embedding is applied in FP32 as Q and K are loaded, so no
-// rotated copy is ever written to global memory; the rotated values are rounded to T for the mma.
-constexpr int kAttnWarps = 4;
+// accumulators), portable to every GPU from sm_80 on. One block per (query tile of kQueryRows, head,
+// batch row) walks the key tiles of kKeyRows that can hold a visible key (the sliding window skips
+// the rest). Its warps form kQueryGroups x kKeySplit: a warp owns 16 query rows and one part of
+// every key tile, keeps its Q fragments and its 16 x D partial output in registers with its own
+// FP32 online softmax, and the parts of a group are merged once at the end. Splitting the keys
+// doubles the warps that hide each other's latencies (on the H200 at L=512: 17.3 -> 14.5 us global,
+// 10.3 -> 7.5 us with window 64; benchmarks/results/ops-h200-2026-11-29-attn.md). Key tiles
+// are double-buffered in shared memory: V arrives by cp.async and K through registers, rotated on
+// the way, while the previous tile is computed. Rotary embedding is applied in FP32 as Q and K are
+// loaded, so no rotated copy is ever written to global memory; the rotated values are rounded to T
+// for the mma.
+constexpr int kQueryGroups = 4;
+constexpr int kKeySplit = 2;
+constexpr int kAttnWarps = kQueryGroups * kKeySplit;
 constexpr int kAttnThreads = 32 * kAttnWarps;
-constexpr int kQueryRows = 16 * kAttnWarps;  // one m16 tile per warp
+constexpr int kQueryRows = 16 * kQueryGroups;  // one m16 tile per group
 constexpr int kKeyRows = 64;
+constexpr int kPartKeys = kKeyRows / kKeySplit;  // keys of a tile one warp handles
 
 template <int D>
 struct AttentionTile {
@@ -60,8 +67,14 @@ struct AttentionTile {
   static constexpr int kQ = kQueryRows * kStride;
   static constexpr int kKV = kKeyRows * kStride;
   // T q[kQueryRows][kStride], k[2][kKeyRows][kStride], v[2][kKeyRows][kStride];
-  // float key_ok[2][kKeyRows], inv_freq[D / 2]
+  // float key_bias[2][kKeyRows], inv_freq[D / 2]
   static constexpr size_t kBytes = 2 * static_cast<size_t>(kQ + 4 * kKV) + sizeof(float) * (2 * kKeyRows + D / 2);
+  // After the key loop the K and V buffers hold, per query group, the softmax state of its second
+  // key part for every lane: D / 2 accumulators, 2 row maxima, 2 row sums.
+  static constexpr int kMergeFloats = D / 2 + 4;
+  static_assert(kKeySplit == 2, "the merge combines two key parts");
+  static_assert(sizeof(float) * kQueryGroups * kMergeFloats * 32 <= 2 * 4 * static_cast<size_t>(kKV),
+                "merge state fits in the K and V buffers");
 };
 
 template <typename T>
@@ -145,8 +158,9 @@ __device__ __forceinline__ void RotarySinCos(float angle, float* sine, float* co
 template <typename T, int D>
 struct RotaryRows {
   static constexpr int kChunks = D / 16;  // 8-element chunks in half a row
-  static constexpr int kTasks = kKeyRows * kChunks / kAttnThreads;
-  static_assert(kQueryRows == kKeyRows && kTasks * kAttnThreads == kKeyRows * kChunks, "tile shape");
+  static constexpr int kTotal = kKeyRows * kChunks;
+  static constexpr int kTasks = (kTotal + kAttnThreads - 1) / kAttnThreads;
+  static_assert(kQueryRows == kKeyRows, "Q and K tiles have the same rows");
   uint4 low[kTasks];
   uint4 high[kTasks];
 
@@ -154,6 +168,7 @@ struct RotaryRows {
 #pragma unroll
     for (int i = 0; i < kTasks; ++i) {
       const int task = threadIdx.x + i * kAttnThreads;
+      if (kTotal % kAttnThreads != 0 && task >= kTotal) break;
       const int pos = row0 + task / kChunks;
       const int dim = (task % kChunks) * 8;
       low[i] = high[i] = make_uint4(0, 0, 0, 0);
@@ -170,6 +185,7 @@ struct RotaryRows {
 #pragma unroll
     for (int i = 0; i < kTasks; ++i) {
       const int task = threadIdx.x + i * kAttnThreads;
+      if (kTotal % kAttnThreads != 0 && task >= kTotal) break;
       const int row = task / kChunks;
       const int dim = (task % kChunks) * 8;
       const float pos = static_cast<float>(row0 + row);
@@ -206,11 +222,13 @@ __global__ void __launch_bounds__(kAttnThreads)
   T* q_s = reinterpret_cast<T*>(attention_smem);
   T* k_s = q_s + Tile::kQ;
   T* v_s = k_s + 2 * Tile::kKV;
-  float* key_ok = reinterpret_cast<float*>(v_s + 2 * Tile::kKV);
-  float* inv_freq = key_ok + 2 * kKeyRows;
+  float* key_bias = reinterpret_cast<float*>(v_s + 2 * Tile::kKV);  // 0 for a real key, -inf for padding
+  float* inv_freq = key_bias + 2 * kKeyRows;
 
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int group = warp % kQueryGroups;
+  const int part = warp / kQueryGroups;
   const int q0 = blockIdx.x * kQueryRows;
   const int head = blockIdx.y;
   const int batch = blockIdx.z;
@@ -232,7 +250,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int last_tile = last_key / kKeyRows;
 
   RotaryRows<T, D> next_k;
-  bool next_key_ok = false;
+  bool next_key_real = false;
   // Starts loading key tile `tile` into buffer `stage`: V by cp.async, K and the mask into registers.
   auto issue_tile = [&](int tile, int stage) {
     const int k0 = tile * kKeyRows;
@@ -247,40 +265,40 @@ __global__ void __launch_bounds__(kAttnThreads)
     CpAsyncCommit();
     if (threadIdx.x < kKeyRows) {
       const int pos = k0 + threadIdx.x;
-      next_key_ok = pos < length && mask_row[pos] != 0;
+      next_key_real = pos < length && mask_row[pos] != 0;
     }
   };
   // Completes it: rotates K into shared memory, publishes the mask, waits for V.
   auto finish_tile = [&](int tile, int stage) {
     next_k.Store(k_s + stage * Tile::kKV, tile * kKeyRows, inv_freq);
-    if (threadIdx.x < kKeyRows) key_ok[stage * kKeyRows + threadIdx.x] = next_key_ok ? 1.0f : 0.0f;
+    if (threadIdx.x < kKeyRows) key_bias[stage * kKeyRows + threadIdx.x] = next_key_real ? 0.0f : -INFINITY;
     CpAsyncWaitAll();
   };
 
-  for (int k = threadIdx.x; k < D / 2; k += kAttnThreads) {
-    inv_freq[k] = 1.0f / powf(rope_theta, static_cast<float>(2 * k) / static_cast<float>(D));
-  }
   issue_tile(first_tile, 0);
   {
     RotaryRows<T, D> q_rows;
     q_rows.Load(q_base, token_stride, q0, length);
+    for (int k = threadIdx.x; k < D / 2; k += kAttnThreads) {  // while the loads are in flight
+      inv_freq[k] = 1.0f / powf(rope_theta, static_cast<float>(2 * k) / static_cast<float>(D));
+    }
     __syncthreads();  // inv_freq
     q_rows.Store(q_s, q0, inv_freq);
   }
   finish_tile(first_tile, 0);
   __syncthreads();
 
-  // This warp's 16 query rows as A fragments, one per 16 dimensions.
+  // The group's 16 query rows as A fragments, one per 16 dimensions.
   uint32_t q_frag[D / 16][4];
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
-    LdMatrixX4(q_frag[kk], q_s + (warp * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
+    LdMatrixX4(q_frag[kk], q_s + (group * 16 + lane % 16) * kStride + kk * 16 + (lane / 16) * 8);
   }
 
-  // Thread (lane) holds rows lane/4 and lane/4 + 8 of the warp's tile, columns 2 * (lane % 4) + {0, 1}
+  // Thread (lane) holds rows lane/4 and lane/4 + 8 of the group's tile, columns 2 * (lane % 4) + {0, 1}
   // of every 8-wide accumulator block.
-  const int warp_q0 = q0 + warp * 16;
-  const int query[2] = {warp_q0 + lane / 4, warp_q0 + lane / 4 + 8};
+  const int group_q0 = q0 + group * 16;
+  const int query[2] = {group_q0 + lane / 4, group_q0 + lane / 4 + 8};
   const float scale_log2 = rsqrtf(static_cast<float>(D)) * 1.44269504088896341f;  // softmax in base 2
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.0f, 0.0f};  // this thread's columns only; the quad is summed at the end
@@ -291,24 +309,28 @@ __global__ void __launch_bounds__(kAttnThreads)
   for (int tile = first_tile, stage = 0; tile <= last_tile; ++tile, stage ^= 1) {
     const bool has_next = tile < last_tile;
     if (has_next) issue_tile(tile + 1, stage ^ 1);
-    const int k0 = tile * kKeyRows;
-    const bool warp_sees_tile = warp_q0 < length && (window == 0 || (k0 <= warp_q0 + 15 + window &&
-                                                                     k0 + kKeyRows - 1 >= warp_q0 - window));
-    if (warp_sees_tile) {
-      const T* k_tile = k_s + stage * Tile::kKV;
-      const T* v_tile = v_s + stage * Tile::kKV;
-      const float* tile_ok = key_ok + stage * kKeyRows;
+    // This warp's keys [key0, key0 + kPartKeys) against its rows [group_q0, group_q0 + 15]: skipped
+    // when the window hides them all, checked key by key only when the window cuts through them.
+    const int key0 = tile * kKeyRows + part * kPartKeys;
+    const int nearest = max(group_q0 - (key0 + kPartKeys - 1), key0 - (group_q0 + 15));
+    const int farthest = max(group_q0 + 15 - key0, key0 + kPartKeys - 1 - group_q0);
+    const bool sees_keys = group_q0 < length && (window == 0 || nearest <= window);
+    const bool window_cuts = window > 0 && farthest > window;
+    if (sees_keys) {
+      const T* k_part = k_s + stage * Tile::kKV + part * kPartKeys * kStride;
+      const T* v_part = v_s + stage * Tile::kKV + part * kPartKeys * kStride;
+      const float* bias = key_bias + stage * kKeyRows + part * kPartKeys;
 
-      // Scores S = Q K^T: 16 x kKeyRows, as kKeyRows / 8 accumulator blocks.
-      float s[kKeyRows / 8][4];
+      // Scores S = Q K^T: 16 x kPartKeys, as kPartKeys / 8 accumulator blocks.
+      float s[kPartKeys / 8][4];
 #pragma unroll
-      for (int n = 0; n < kKeyRows / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      for (int n = 0; n < kPartKeys / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
-        for (int nn = 0; nn < kKeyRows / 16; ++nn) {
+        for (int nn = 0; nn < kPartKeys / 16; ++nn) {
           uint32_t b[4];
-          LdMatrixX4(b, k_tile + (nn * 16 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
+          LdMatrixX4(b, k_part + (nn * 16 + (lane / 16) * 8 + lane % 8) * kStride + kk * 16 + ((lane / 8) % 2) * 8);
           Mma<T>(s[2 * nn], q_frag[kk], b[0], b[1]);
           Mma<T>(s[2 * nn + 1], q_frag[kk], b[2], b[3]);
         }
@@ -317,14 +339,16 @@ __global__ void __launch_bounds__(kAttnThreads)
       // Mask, then the online softmax update (base 2, scale folded in).
       float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int n = 0; n < kKeyRows / 8; ++n) {
+      for (int n = 0; n < kPartKeys / 8; ++n) {
+        const float2 key_bias_pair = *reinterpret_cast<const float2*>(bias + n * 8 + 2 * (lane % 4));
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int column = n * 8 + 2 * (lane % 4) + e % 2;
-          const bool visible =
-              tile_ok[column] != 0.0f && (window == 0 || abs(query[e / 2] - (k0 + column)) <= window);
-          s[n][e] = visible ? s[n][e] * scale_log2 : -INFINITY;
-          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+          float score = fmaf(s[n][e], scale_log2, e % 2 ? key_bias_pair.y : key_bias_pair.x);
+          if (window_cuts && abs(query[e / 2] - (key0 + n * 8 + 2 * (lane % 4) + e % 2)) > window) {
+            score = -INFINITY;
+          }
+          s[n][e] = score;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], score);
         }
       }
       float offset[2], rescale[2];
@@ -339,7 +363,7 @@ __global__ void __launch_bounds__(kAttnThreads)
         row_sum[r] *= rescale[r];
       }
 #pragma unroll
-      for (int n = 0; n < kKeyRows / 8; ++n) {
+      for (int n = 0; n < kPartKeys / 8; ++n) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           s[n][e] = exp2f(s[n][e] - offset[e / 2]);
@@ -356,14 +380,14 @@ __global__ void __launch_bounds__(kAttnThreads)
 
       // acc += P V: the score accumulators are already P's A fragments, 16 keys at a time.
 #pragma unroll
-      for (int kk = 0; kk < kKeyRows / 16; ++kk) {
+      for (int kk = 0; kk < kPartKeys / 16; ++kk) {
         const uint32_t p[4] = {PackPair<T>(s[2 * kk][0], s[2 * kk][1]), PackPair<T>(s[2 * kk][2], s[2 * kk][3]),
                                PackPair<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]),
                                PackPair<T>(s[2 * kk + 1][2], s[2 * kk + 1][3])};
 #pragma unroll
         for (int nn = 0; nn < D / 16; ++nn) {
           uint32_t b[4];
-          LdMatrixX4Trans(b, v_tile + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kStride + nn * 16 + (lane / 16) * 8);
+          LdMatrixX4Trans(b, v_part + (kk * 16 + ((lane / 8) % 2) * 8 + lane % 8) * kStride + nn * 16 + (lane / 16) * 8);
           Mma<T>(acc[2 * nn], p, b[0], b[1]);
           Mma<T>(acc[2 * nn + 1], p, b[2], b[3]);
         }
@@ -373,28 +397,60 @@ __global__ void __launch_bounds__(kAttnThreads)
     __syncthreads();  // the next tile is in place and nobody reads this one any more
   }
 
-  // Normalise, stage the warp's 16 x D rows in its own (no longer read) Q rows, store 16 bytes a lane.
-  float inv_total[2];
+  // Merge the two key parts of each group: the second hands its state over through the (now free)
+  // K and V buffers, lane for lane, since both hold the same fragment layout.
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 1);
     row_sum[r] += __shfl_xor_sync(0xffffffffu, row_sum[r], 2);
-    inv_total[r] = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;  // no visible key: zeros
   }
-  T* o_s = q_s + warp * 16 * kStride;
+  float* merge = reinterpret_cast<float*>(k_s) + group * Tile::kMergeFloats * 32 + lane;
+  if (part == 1) {
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) merge[(4 * j + e) * 32] = acc[j][e];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      merge[(D / 2 + r) * 32] = row_max[r];
+      merge[(D / 2 + 2 + r) * 32] = row_sum[r];
+    }
+  }
+  __syncthreads();
+  if (part == 1) return;
+
+  float own_scale[2], other_scale[2], inv_total[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float other_max = merge[(D / 2 + r) * 32];
+    const float other_sum = merge[(D / 2 + 2 + r) * 32];
+    const float new_max = fmaxf(row_max[r], other_max);
+    const float offset = new_max == -INFINITY ? 0.0f : new_max;
+    own_scale[r] = exp2f(row_max[r] - offset);
+    other_scale[r] = exp2f(other_max - offset);
+    const float total = row_sum[r] * own_scale[r] + other_sum * other_scale[r];
+    inv_total[r] = total > 0.0f ? 1.0f / total : 0.0f;  // no visible key: zeros
+  }
+
+  // Normalise, stage the group's 16 x D rows in its own (no longer read) Q rows, store 16 bytes a lane.
+  T* o_s = q_s + group * 16 * kStride;
 #pragma unroll
   for (int j = 0; j < D / 8; ++j) {
-    T* o = o_s + (lane / 4) * kStride + j * 8 + 2 * (lane % 4);
-    *reinterpret_cast<typename Pair<T>::Type*>(o) =
-        Pair<T>::FromFloat2(acc[j][0] * inv_total[0], acc[j][1] * inv_total[0]);
-    *reinterpret_cast<typename Pair<T>::Type*>(o + 8 * kStride) =
-        Pair<T>::FromFloat2(acc[j][2] * inv_total[1], acc[j][3] * inv_total[1]);
+    float o[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      o[e] = (acc[j][e] * own_scale[e / 2] + merge[(4 * j + e) * 32] * other_scale[e / 2]) * inv_total[e / 2];
+    }
+    T* row = o_s + (lane / 4) * kStride + j * 8 + 2 * (lane % 4);
+    *reinterpret_cast<typename Pair<T>::Type*>(row) = Pair<T>::FromFloat2(o[0], o[1]);
+    *reinterpret_cast<typename Pair<T>::Type*>(row + 8 * kStride) = Pair<T>::FromFloat2(o[2], o[3]);
   }
   __syncwarp();
   for (int idx = lane; idx < 16 * kVectors; idx += 32) {
     const int row = idx / kVectors;
     const int dim = (idx % kVectors) * 8;
-    const int pos = warp_q0 + row;
+    const int pos = group_q0 + row;
     if (pos < length) {
       *reinterpret_cast<uint4*>(out + (static_cast<int64_t>(batch) * length + pos) * model_dim + head * D + dim) =
           *reinterpret_cast<const uint4*>(o_s + row * kStride + dim);
