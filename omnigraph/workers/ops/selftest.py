@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m omnigraph.workers.ops.selftest", *(sys.argv[1:] if argv is None else argv)]),
+        "library_sha256": hashlib.sha256(library.read_bytes()).hexdigest(),  # which kernels these rows measure
     }
     rows, failures = [], 0
     rng = np.random.default_rng(0)
