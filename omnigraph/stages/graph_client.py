@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 import numpy as np
 
-from omnigraph.stages.errors import DeadlineExceeded
+from omnigraph.stages.errors import DeadlineExceeded, StageError, StageUnavailable
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.workers.errors import RemoteError, WorkerTimeout
 
@@ -127,12 +127,16 @@ class GraphStageClient:
             "warmup_ms": self.load_report.warmup_ms,
         }
 
-    def retire(self, reason: str) -> None:
-        """Kill the worker; its reservation stays quarantined until the OS confirms the exit."""
+    def retire(self, reason: str, failed: tuple[WorkItem, BaseException] | None = None) -> None:
+        """Take the replica out of service and kill its worker; the reservation stays quarantined
+        until the OS confirms the exit. `failed` (a work item and its error) is failed once the
+        stage already reports the retirement, so whoever sees the error also sees the stage's health."""
         if self.retired_reason is not None:
             return
         self.retired_reason = reason
         self.stage.replica_retired(self)
+        if failed is not None:
+            failed[0].fail(failed[1])
         if self.reservation is not None:
             self._ledger.quarantine(self.reservation)
         self.client.kill()
@@ -187,11 +191,15 @@ class GraphStageClient:
                 if interrupted is None and _request_level(exc):
                     item.fail(exc)
                     continue
+                cause = f"{type(exc).__name__}: {exc}"
                 if isinstance(exc, WorkerTimeout):
-                    item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage {self.stage.stage_id}"))
+                    error: StageError = DeadlineExceeded(
+                        f"request {item.request_id}: deadline passed inside stage {self.stage.stage_id}")
                 else:
-                    item.fail(exc)
-                self.retire(interrupted or f"{type(exc).__name__}: {exc}")
+                    error = StageUnavailable(
+                        f"stage {self.stage.stage_id} replica {self.replica} failed during request {item.request_id}: {cause}")
+                error.__cause__ = exc
+                self.retire(interrupted or cause, failed=(item, error))
                 return
             with self._lock:
                 self._current = None

@@ -1,6 +1,8 @@
 """The orchestrator through AsyncOmni/Omni: admission, handoff checks, cancellation, replicas, deadlines."""
 
 import asyncio
+import os
+import signal
 
 import numpy as np
 import pytest
@@ -226,3 +228,16 @@ def test_shutdown_with_a_call_in_flight(make_plan, os_processes):
     assert os_processes.children() == set()
     # the call was not waited for: its worker was retired (killed), its exit verified
     assert replica["retired_reason"] == "request in-flight in flight at shutdown" and replica["exit_verified"]
+
+
+def test_a_worker_killed_from_outside_fails_its_stage_fast(make_plan, os_processes):
+    with Omni(deploy_config=make_plan("affine")) as omni:
+        (replica,) = replicas(omni)
+        os.kill(replica["pid"], signal.SIGKILL)
+        (failed,) = omni.generate(SMALL)
+        assert failed.error.startswith("StageUnavailable: stage 0 replica 0 failed during request")
+        assert "WorkerDied" in failed.error and "WorkerDied" in omni.health()[0]
+        with pytest.raises(StageUnavailable, match="recreate the pipeline"):
+            omni.generate(SMALL)
+    assert omni.ledger_snapshot()["reservations"] == []  # released once the exit was verified
+    assert os_processes.children() == set()
