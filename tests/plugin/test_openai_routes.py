@@ -125,3 +125,13 @@ def test_the_clients_pydantic_parse_helper_works(client):
     completion = client.chat.completions.parse(model="laya", messages=MESSAGES, response_format=Ticket)
     ticket = completion.choices[0].message.parsed
     assert isinstance(ticket, Ticket) and 1 <= ticket.urgency <= 3 and ticket.tone in ("calm", "angry")
+
+
+def test_a_question_the_model_refuses_is_400_naming_the_property(client):
+    # A blank description becomes blank instructions, which the processor refuses (422 on the decision
+    # route); the chat route reports it as OpenAI's 400 on the property the question came from.
+    schema = {"type": "object", "properties": {"refund": {"type": "boolean", "description": "   "}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="laya", messages=MESSAGES, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert caught.value.body["param"] == "response_format.json_schema.schema.properties.refund"

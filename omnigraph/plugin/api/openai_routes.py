@@ -28,7 +28,13 @@ from omnigraph.plugin.api.openai_protocol import (
     ModelList,
     Usage,
 )
-from omnigraph.plugin.api.openai_schema import completion_content, decision_prompt, parse_chat_request, plan_decisions
+from omnigraph.plugin.api.openai_schema import (
+    completion_content,
+    decision_prompt,
+    openai_invalid,
+    parse_chat_request,
+    plan_decisions,
+)
 from omnigraph.plugin.api.service import DecisionService
 
 router = APIRouter()
@@ -67,7 +73,10 @@ async def chat_completions(request: Request):
     plan = plan_decisions(chat)
     service.check_available()
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    decision = await cancel_on_disconnect(request, run_decision(request, decision_prompt(chat, plan), request_id))
+    try:
+        decision = await cancel_on_disconnect(request, run_decision(request, decision_prompt(chat, plan), request_id))
+    except ApiError as error:
+        raise openai_invalid(error) if error.status == 422 else error from None
     content, logprobs = completion_content(plan, decision.response["answers"], chat.top_logprobs or 0)
     prompt_tokens = int(decision.response["usage"]["input_tokens"])
     completion = ChatCompletion(

@@ -215,6 +215,19 @@ def conversation_state(messages: list[ChatMessage]) -> str:
     return "\n".join(f"{message.role}: {text}" for message, text in zip(messages, texts))
 
 
+def openai_invalid(error: ApiError) -> ApiError:
+    """A decision request the processor refused (422), as OpenAI reports it: 400 naming the chat field."""
+    field = error.field or ""
+    if field.startswith("questions."):
+        name = field.split(".")[1]
+        param = f"{SCHEMA_PARAM}.properties.{name}"
+    elif field == "state":
+        param = "messages"
+    else:
+        param = field or None
+    return ApiError(400, error.message, code=error.code, field=param)
+
+
 def decision_prompt(request: ChatCompletionRequest, plan: tuple[PropertyDecision, ...]) -> dict:
     return {"state": conversation_state(request.messages),
             "questions": {decision.name: decision.question for decision in plan}}
