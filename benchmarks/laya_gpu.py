@@ -606,7 +606,7 @@ def report_lines(rows: list[dict]) -> Iterator[str]:
             value = "-" if row["value"] is None else row["value"]
             margin = "-" if row["margin"] is None else f"{row['margin']}x"
             yield (f"{row['status']:>12}  {row['metric']:<64} {'' if row['length'] is None else row['length']!s:>4} "
-                   f"{value!s:>9} {row['unit']:<3} margin {margin:<8} ({row['detail']})")
+                   f"{value!s:>9} {row['unit']:<11} margin {margin:<8} ({row['detail']})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -637,7 +637,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=20, help="untimed requests before them")
     parser.add_argument("--strict-placement", action="store_true",
                         help="CUDA routes allow only CUDAExecutionProvider with every node on it")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a worker to load")
+    parser.add_argument("--startup-timeout", type=float, default=120.0, help="seconds for a worker to load")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which no further case starts (it is recorded as skipped)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and targets here")
