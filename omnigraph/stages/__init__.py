@@ -1,0 +1,11 @@
+"""The engine room: what runs a pipeline's stages.
+
+- `ledger.py`: ResourceLedger (named capacities, atomic reservations, quarantine).
+- `runtime.py`: StageRuntime (verify, reserve the whole plan, start and warm up replicas, unwind).
+- `graph_client.py`: GraphStageClient (one worker replica and the thread that feeds it).
+- `orchestrator.py`: admission, stage-to-stage handoff, cancellation, deadlines.
+- `tensors.py`, `handoff.py`, `tensor_processor.py`: input checks, the default handoff, raw pipelines.
+- `outputs.py`: OmniRequestOutput; `errors.py`: the engine's exceptions.
+
+Nothing is imported here, so `import omnigraph.stages.ledger` stays light.
+"""
