@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from omnigraph import AsyncOmni, Omni
-from omnigraph.pipelines.processor import RequestInvalid, RequestTooLarge
+from omnigraph.pipelines.deploy import resolve_pipeline
+from omnigraph.pipelines.processor import PreparedRequest, RequestInvalid, RequestTooLarge
 from omnigraph.stages.errors import (
     DeadlineExceeded,
     HandoffInvalid,
@@ -17,6 +18,8 @@ from omnigraph.stages.errors import (
     ResourceUnavailable,
     StageUnavailable,
 )
+from omnigraph.stages.orchestrator import Orchestrator
+from omnigraph.stages.runtime import StageRuntime
 
 BIG = {"tensors": {"x": np.zeros((1024, 1024), np.float32)}}   # a call that runs for many seconds
 MEDIUM = {"tensors": {"x": np.zeros((192, 192), np.float32)}}  # a call of a fraction of a second
@@ -241,3 +244,49 @@ def test_a_worker_killed_from_outside_fails_its_stage_fast(make_plan, os_process
             omni.generate(SMALL)
     assert omni.ledger_snapshot()["reservations"] == []  # released once the exit was verified
     assert os_processes.children() == set()
+
+
+class RowsProcessor:
+    """A processor with several forward calls per request: one per row, answered in order."""
+
+    def prepare(self, request):
+        rows = request["rows"]
+        return PreparedRequest(work=tuple({"x": np.full((1, 4), r, np.float32)} for r in rows), context=len(rows))
+
+    def finish(self, prepared, outputs):
+        assert len(outputs) == prepared.context
+        return [float(o["z"][0, 0]) for o in outputs]
+
+
+def test_several_work_items_per_request_come_back_in_order(make_plan):
+    plan = make_plan("affine", "rename", replicas=2)
+    runtime = StageRuntime(resolve_pipeline(plan), plan)
+    runtime.start()
+    try:
+        orchestrator = Orchestrator(runtime, RowsProcessor())
+        requests = [orchestrator.submit({"rows": list(range(n, n + 5))}) for n in range(4)]
+        answers = [request.wait(60) for request in requests]
+        assert answers == [[2.0 * r for r in range(n, n + 5)] for n in range(4)]
+        assert all(set(request.stage_durations) == {0, 1} for request in requests)
+        assert orchestrator.queue_depth == 4  # admitted until acknowledged
+        for request in requests:
+            orchestrator.acknowledge(request)
+        assert orchestrator.queue_depth == 0
+        assert orchestrator.submit({"rows": []}).wait(1) == []  # no forward call at all
+    finally:
+        runtime.shutdown()
+
+
+def test_a_result_holds_its_slot_until_acknowledged(make_plan):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("affine", max_queued_requests=1)) as omni:
+            generator = omni.generate(SMALL, request_id="held")
+            output = await generator.__anext__()
+            with pytest.raises(ResourceUnavailable):
+                await first(omni, SMALL, "second")
+            output.release_stage_buffers()  # a direct user acknowledges; the generator would on advancing
+            assert omni.queue_depth() == 0
+            await generator.aclose()
+            return await first(omni, SMALL, "third")
+
+    assert asyncio.run(main()).request_id == "third"
