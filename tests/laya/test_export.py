@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -15,11 +14,8 @@ import onnxruntime as ort
 import pytest
 
 from omnigraph.bundles import BundleHashMismatch, verify_bundle
-from omnigraph.pipelines.laya.export import (
-    FAST_OPS_MODULE,
-    build_bundle,
-    default_bundle,
-)
+from omnigraph.pipelines.laya import export
+from omnigraph.pipelines.laya.export import build_bundle, default_bundle
 from omnigraph.pipelines.laya.graph import CheckpointInvalid
 
 torch = pytest.importorskip("torch")
@@ -199,11 +195,26 @@ def test_bad_arguments_are_refused_before_anything_is_written(laya_tiny_checkpoi
     assert verify_bundle(laya_tiny_bundle.root).manifest_sha256 == before
 
 
-@pytest.mark.skipif(importlib.util.find_spec(FAST_OPS_MODULE) is not None, reason="the custom-op library is installed")
-def test_fast_bundles_need_the_custom_op_library(laya_tiny_checkpoint, tmp_path):
+def test_fast_bundles_need_the_custom_op_library(laya_tiny_checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setattr(export, "FAST_GRAPH_MODULE", "omnigraph.workers.ops.absent_fast_graph")
     with pytest.raises(ValueError, match="fast bundles need the omnigraph custom-op library"):
         build_bundle(laya_tiny_checkpoint, tmp_path / "fast", fast=True)
     assert _no_leftovers(tmp_path / "fast")
+
+
+@pytest.mark.slow
+def test_fast_fp32_bundle_runs_the_custom_ops_and_matches_the_reference(laya_tiny_checkpoint, laya_tiny_batches,
+                                                                      laya_tiny_expected, tmp_path):
+    bundle = build_bundle(laya_tiny_checkpoint, tmp_path / "fast", fast=True)
+    assert bundle.manifest.custom_ops is not None and bundle.custom_ops_path.is_file()
+    assert bundle.manifest.metadata.exporter["fast"] is True
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(bundle.custom_ops_path))
+    session = ort.InferenceSession(str(bundle.graph_path), options, providers=["CPUExecutionProvider"])
+    for batch, (expected_logits, expected_act) in zip(laya_tiny_batches, laya_tiny_expected):
+        logits, act_logits = _run(session, batch)
+        np.testing.assert_allclose(logits, expected_logits, rtol=0, atol=1e-3)
+        np.testing.assert_allclose(act_logits, expected_act, rtol=0, atol=1e-3)
 
 
 def test_default_bundle_is_built_once_into_the_cache(tmp_path, monkeypatch):

@@ -10,12 +10,16 @@ tokenizer and agent config into a bundle. Everything is written in a staged fold
 
 Precision (what runs in which type):
 - fp32: everything in float32.
-- fp16 / bf16: every weight matrix (projections and embedding tables) is *stored* in that type
-  and cast up by a Cast node; norm weights, biases, the residual stream, norms, softmax and the
-  decision features stay float32. ONNX Runtime folds the casts at session load, so on CPU every
+- fp16 / bf16: the weight matrices of the encoder and the head layers (projections and the
+  embedding table) are *stored* in that type and cast up by a Cast node; the decision heads (type
+  embedding, scorer, action head), norm weights, biases, the residual stream, norms, softmax and
+  the decision features stay float32. ONNX Runtime folds the casts at session load, so every
   MatMul runs in float32 on the rounded weights (ORT CPU has no general fp16/bf16 MatMul); the
-  bundle is half the size on disk and in transit. Reduced-precision compute on GPU is the fast
-  variant's job (`fast=True`, the custom-op library).
+  bundle is about half the size on disk and in transit.
+- fast=True (`fast_graph.py`, the custom-op library): the encoder runs on the omnigraph ops with
+  its projections and activations in the precision's type (float32 for fp32, which the CPU
+  kernels run; bfloat16 / float16 need the CUDA kernels), residual stream and norms in float32;
+  the decision head is the fp32 export's. The library is built into the bundle.
 
 This module imports torch: it is the `export` extra, never imported by serving code.
 """
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.util
 import json
 import shutil
 import tempfile
@@ -92,7 +95,9 @@ OPTION_TOKENS = 48
 FP32_LOGIT_TOLERANCE = 1e-4
 REDUCED_PROBABILITY_TOLERANCE = 0.002
 DECISIVE_MARGIN = 0.01
-FAST_OPS_MODULE = "omnigraph.workers.ops.export"
+FAST_GRAPH_MODULE = "omnigraph.pipelines.laya.fast_graph"
+FAST_ACTIVATIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+FAST_LOGIT_TOLERANCE = 1e-3  # the custom kernels' float32 rounding differs from MatMul/Softmax's
 # Parameters stored in fp16 / bf16 in reduced-precision bundles (rank >= 2 only).
 REDUCED_PRECISION_PREFIXES = ("encoder.", "head.")
 _STORED_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
@@ -116,11 +121,10 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
             raise CheckpointInvalid(f"{checkpoint}: missing checkpoint file {name}")
     if out.exists():
         raise FileExistsError(f"{out} already exists: build into a new folder")
-    attention_ops = _fast_ops() if fast else None
+    fast_graph = _fast_graph() if fast else None
     config = DecisionGraphConfig.from_checkpoint(checkpoint)
     agent_config = read_json(checkpoint / "rl_agent_config.json")
-    module = build_decision_graph(config) if attention_ops is None else build_decision_graph(
-        config, attention=attention_ops.attention)
+    module = build_decision_graph(config)
     load_checkpoint_weights(module, checkpoint / "model.safetensors")
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer" / "tokenizer.json"))
     layout = bundle_layout(agent_config, read_json(checkpoint / "tokenizer" / "tokenizer_config.json"),
@@ -129,11 +133,24 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
     revision = checkpoint_revision(checkpoint, agent_config)
 
     with staged_bundle_dir(out) as staging:
-        export_onnx(module, inputs, staging / GRAPH_FILE, precision)
+        custom_ops = None
+        if fast_graph is None:
+            export_onnx(module, inputs, staging / GRAPH_FILE, precision)
+        else:
+            fast_graph.export_fast_onnx(module, inputs, staging / GRAPH_FILE, activation=FAST_ACTIVATIONS[precision])
+            custom_ops = fast_graph.bundle_ops_library(staging)
         np.savez(staging / INPUTS_FILE, **inputs)
         for member, source in COPIED_FILES.items():
             shutil.copyfile(checkpoint / source, staging / member)
-        validation = validate_export(module, staging / GRAPH_FILE, inputs, precision)
+        if custom_ops is None:
+            validation = validate_export(module, staging / GRAPH_FILE, inputs, precision)
+        elif precision == "fp32":
+            validation = validate_export(module, staging / GRAPH_FILE, inputs, precision,
+                                         custom_ops_library=staging / custom_ops["library_file"])
+        else:
+            validation = {"status": "not run at build time",
+                          "reason": f"{FAST_ACTIVATIONS[precision]} custom ops run on CUDAExecutionProvider only; "
+                                    "python -m omnigraph.workers.ops.selftest checks them on the GPU"}
         pack_bundle(
             staging,
             component=COMPONENT,
@@ -147,6 +164,7 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
                 "calibration": calibration(agent_config),
                 "validation": validation,
             },
+            custom_ops=custom_ops,
         )
     return verify_bundle(out)
 
@@ -167,12 +185,13 @@ def default_bundle() -> Path:
     return out
 
 
-def _fast_ops() -> Any:
-    """The custom-op library's export hooks; its `attention` replaces the eager attention kernel."""
-    if importlib.util.find_spec(FAST_OPS_MODULE) is None:
-        raise ValueError(f"fast bundles need the omnigraph custom-op library: {FAST_OPS_MODULE} is not "
-                         "available in this installation (build it with `omnigraph ops build`)")
-    return importlib.import_module(FAST_OPS_MODULE)
+def _fast_graph() -> Any:
+    """The fast-graph builder, which needs the custom-op library's sources and build tools."""
+    try:
+        return importlib.import_module(FAST_GRAPH_MODULE)
+    except ImportError as exc:
+        raise ValueError(f"fast bundles need the omnigraph custom-op library: {FAST_GRAPH_MODULE} "
+                         f"cannot be imported ({exc})") from None
 
 
 def bundle_layout(agent_config: dict, tokenizer_config: dict, tokenizer: Tokenizer, pad_id: int) -> dict[str, Any]:
@@ -325,18 +344,22 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return shifted / shifted.sum(axis=-1, keepdims=True)
 
 
-def validate_export(module: DecisionGraph, graph_path: Path, inputs: dict[str, np.ndarray],
-                    precision: str) -> dict[str, Any]:
+def validate_export(module: DecisionGraph, graph_path: Path, inputs: dict[str, np.ndarray], precision: str,
+                    *, custom_ops_library: Path | None = None) -> dict[str, Any]:
     """Run the exported graph in ONNX Runtime (CPU) and compare with the float32 torch module.
 
-    fp32 must match logits and act_logits within 1e-4; fp16 / bf16 must keep probabilities (and
-    the act probability) within 0.002 and every decision whose fp32 top-two margin exceeds 0.01.
+    fp32 must match logits and act_logits within 1e-4 (1e-3 on the custom ops); fp16 / bf16 must
+    keep probabilities (and the act probability) within 0.002 and every decision whose fp32
+    top-two margin exceeds 0.01.
     """
     import onnxruntime as ort
 
     with torch.no_grad():
         expected = [t.numpy() for t in module(*(torch.from_numpy(inputs[name]) for name in INPUT_NAMES))]
-    session = ort.InferenceSession(str(graph_path), providers=["CPUExecutionProvider"])
+    options = ort.SessionOptions()
+    if custom_ops_library is not None:
+        options.register_custom_ops_library(str(custom_ops_library))
+    session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
     actual = session.run(list(OUTPUT_NAMES), {name: inputs[name] for name in INPUT_NAMES})
     valid = inputs["marker_mask"]
     probabilities = [_softmax(np.where(valid, logits, MASKED_LOGIT)) for logits in (expected[0], actual[0])]
@@ -351,7 +374,8 @@ def validate_export(module: DecisionGraph, graph_path: Path, inputs: dict[str, n
     decisive = (valid.sum(-1) >= 2) & (ranked[:, -1] - ranked[:, -min(2, ranked.shape[1])] > DECISIVE_MARGIN)
     changed = int((decisive & (probabilities[0].argmax(-1) != probabilities[1].argmax(-1))).sum())
     if precision == "fp32":
-        tolerance = {"logits": FP32_LOGIT_TOLERANCE, "act_logits": FP32_LOGIT_TOLERANCE}
+        limit = FP32_LOGIT_TOLERANCE if custom_ops_library is None else FAST_LOGIT_TOLERANCE
+        tolerance = {"logits": limit, "act_logits": limit}
     else:
         tolerance = {"probabilities": REDUCED_PROBABILITY_TOLERANCE,
                      "act_probability": REDUCED_PROBABILITY_TOLERANCE}
@@ -405,8 +429,8 @@ def exporter_info(precision: str, fast: bool) -> dict[str, Any]:
         "onnxruntime": ort.__version__,
         "opset": OPSET,
         "fast": fast,
-        "weights_dtype": {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[precision],
-        "compute_dtype": "float32",
+        "weights_dtype": FAST_ACTIVATIONS[precision],
+        "compute_dtype": FAST_ACTIVATIONS[precision] if fast else "float32",
     }
 
 

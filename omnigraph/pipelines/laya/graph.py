@@ -8,8 +8,8 @@ markers -> action head on CLS), but is shaped for an inference graph rather than
   key padding and the |i - j| <= local_attention // 2 window) are computed once per call, not
   once per layer;
 - attention is plain MatMul / Softmax with the 1/sqrt(head_dim) scale folded into the queries;
-- the attention kernel is a constructor argument (`attention`), the seam where the fast variant
-  substitutes the custom-op library's fused kernel.
+- parameters keep the checkpoint's names and every module's nodes its scope (`/encoder/layers.3/...`)
+  in the exported graph, which is what `fast_graph.substitute_encoder` rewrites.
 
 Only the exporter imports this module (it needs torch). Weights come from the checkpoint's
 `model.safetensors` by their reference names, strictly: `load_checkpoint_weights`.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,9 +37,6 @@ ACT_HIDDEN = 256
 # Added to attention scores of keys a query may not see; finite so a query with no visible key
 # (a padding position far from the text in a local layer) stays finite instead of NaN.
 _NEG = torch.finfo(torch.float32).min
-
-AttentionFn = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
-
 
 class CheckpointInvalid(ValueError):
     """A checkpoint file is missing, unreadable, or does not match the architecture it declares."""
@@ -154,7 +151,7 @@ def read_json(path: Path) -> dict[str, Any]:
     return value
 
 
-def eager_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     """softmax(q k^T + bias) v on (B, H, L, Dh); q arrives pre-scaled by 1/sqrt(Dh)."""
     return torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1) @ v
 
@@ -187,19 +184,18 @@ class Embeddings(nn.Module):
 
 
 class EncoderAttention(nn.Module):
-    def __init__(self, config: EncoderConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.num_heads, self.head_dim = config.num_heads, config.head_dim
         self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
-        self.attention = attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor) -> Tensor:
         qkv = self.Wqkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0], qkv[1], qkv[2]
         q = (q * cos + rotate_half(q) * sin) * (self.head_dim ** -0.5)
         k = k * cos + rotate_half(k) * sin
-        return self.Wo(self.attention(q, k, v, bias).transpose(1, 2).flatten(2))
+        return self.Wo(attention(q, k, v, bias).transpose(1, 2).flatten(2))
 
 
 class EncoderMLP(nn.Module):
@@ -216,11 +212,11 @@ class EncoderMLP(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, config: EncoderConfig, index: int, attention: AttentionFn) -> None:
+    def __init__(self, config: EncoderConfig, index: int) -> None:
         super().__init__()
         # ModernBERT's first layer reads the (already normed) embeddings directly.
         self.attn_norm = nn.Identity() if index == 0 else BiasFreeLayerNorm(config.hidden_size, config.norm_eps)
-        self.attn = EncoderAttention(config, attention)
+        self.attn = EncoderAttention(config)
         self.mlp_norm = BiasFreeLayerNorm(config.hidden_size, config.norm_eps)
         self.mlp = EncoderMLP(config)
         self.layer_type = config.layer_types[index]
@@ -233,11 +229,11 @@ class EncoderLayer(nn.Module):
 class Encoder(nn.Module):
     """ModernBERT: embeddings + norm, pre-norm layers alternating global and local, final norm."""
 
-    def __init__(self, config: EncoderConfig, attention: AttentionFn) -> None:
+    def __init__(self, config: EncoderConfig) -> None:
         super().__init__()
         self.config = config
         self.embeddings = Embeddings(config)
-        self.layers = nn.ModuleList(EncoderLayer(config, i, attention) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(EncoderLayer(config, i) for i in range(config.num_layers))
         self.final_norm = BiasFreeLayerNorm(config.hidden_size, config.norm_eps)
         for name, theta in ((GLOBAL, config.global_rope_theta), (LOCAL, config.local_rope_theta)):
             # As transformers computes it, in float32.
@@ -270,27 +266,26 @@ class Encoder(nn.Module):
 class HeadSelfAttention(nn.Module):
     """`nn.MultiheadAttention`'s parameters (packed in_proj, out_proj), batch-first, no dropout."""
 
-    def __init__(self, d: int, num_heads: int, attention: AttentionFn) -> None:
+    def __init__(self, d: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, d // num_heads
         self.in_proj_weight = nn.Parameter(torch.empty(3 * d, d))
         self.in_proj_bias = nn.Parameter(torch.empty(3 * d))
         self.out_proj = nn.Linear(d, d)
-        self.attention = attention
 
     def forward(self, x: Tensor, bias: Tensor) -> Tensor:
         qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
         qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
         q, k, v = qkv[0] * (self.head_dim ** -0.5), qkv[1], qkv[2]
-        return self.out_proj(self.attention(q, k, v, bias).transpose(1, 2).flatten(2))
+        return self.out_proj(attention(q, k, v, bias).transpose(1, 2).flatten(2))
 
 
 class HeadLayer(nn.Module):
     """`nn.TransformerEncoderLayer(d, d // 64, 4 * d, norm_first=True)` (ReLU) in eval mode."""
 
-    def __init__(self, d: int, attention: AttentionFn) -> None:
+    def __init__(self, d: int) -> None:
         super().__init__()
-        self.self_attn = HeadSelfAttention(d, max(1, d // 64), attention)
+        self.self_attn = HeadSelfAttention(d, max(1, d // 64))
         self.linear1 = nn.Linear(d, 4 * d)
         self.linear2 = nn.Linear(4 * d, d)
         self.norm1 = nn.LayerNorm(d, eps=HEAD_NORM_EPS)
@@ -302,19 +297,19 @@ class HeadLayer(nn.Module):
 
 
 class Head(nn.Module):
-    def __init__(self, d: int, num_layers: int, attention: AttentionFn) -> None:
+    def __init__(self, d: int, num_layers: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(HeadLayer(d, attention) for _ in range(num_layers))
+        self.layers = nn.ModuleList(HeadLayer(d) for _ in range(num_layers))
 
 
 class DecisionGraph(nn.Module):
     """(input_ids, attention_mask, marker_pos, marker_mask, qtype) -> (logits, act_logits)."""
 
-    def __init__(self, config: DecisionGraphConfig, attention: AttentionFn = eager_attention) -> None:
+    def __init__(self, config: DecisionGraphConfig) -> None:
         super().__init__()
         d = config.encoder.hidden_size
-        self.encoder = Encoder(config.encoder, attention)
-        self.head = Head(d, config.head_layers, attention)
+        self.encoder = Encoder(config.encoder)
+        self.head = Head(d, config.head_layers)
         self.type_emb = nn.Embedding(3, d)
         self.scorer = nn.Sequential(nn.LayerNorm(d), nn.Linear(d, d), nn.GELU(), nn.Linear(d, 1))
         self.act_head = nn.Sequential(nn.Linear(d + 4, ACT_HIDDEN), nn.GELU(), nn.Linear(ACT_HIDDEN, config.n_act))
@@ -346,9 +341,9 @@ class DecisionGraph(nn.Module):
         return logits, act_logits
 
 
-def build_decision_graph(config: DecisionGraphConfig, *, attention: AttentionFn = eager_attention) -> DecisionGraph:
-    """The module in eval mode; `attention` is where a fused kernel replaces the eager one."""
-    return DecisionGraph(config, attention).eval()
+def build_decision_graph(config: DecisionGraphConfig) -> DecisionGraph:
+    """The module in eval mode; its weights come from `load_checkpoint_weights`."""
+    return DecisionGraph(config).eval()
 
 
 def load_checkpoint_weights(module: DecisionGraph, weights_path: Path) -> None:
