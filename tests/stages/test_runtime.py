@@ -8,7 +8,7 @@ import pytest
 from omnigraph import AsyncOmni, Omni
 from omnigraph.pipelines.deploy import resolve_pipeline
 from omnigraph.stages import runtime as runtime_module
-from omnigraph.stages.errors import ReservationRefused, StageStartupError
+from omnigraph.stages.errors import CapacityConflict, ReservationRefused, StageStartupError
 from omnigraph.stages.runtime import StageRuntime, worker_route
 
 
@@ -88,3 +88,14 @@ def test_vram_demand_becomes_the_ort_arena_limit(make_plan):
     assert route.ep == "cuda" and route.gpu_mem_limit == 2 << 30
     assert dict(route.ort_providers())["CUDAExecutionProvider"]["gpu_mem_limit"] == str(2 << 30)
     assert worker_route(make_plan("affine", capacity=1000, demand=10).stage(0)).gpu_mem_limit is None
+
+
+def test_stages_must_agree_on_capacities(make_plan, os_processes):
+    plan = make_plan("affine", "rename", capacity=1000, demand=10)
+    second = plan.stages[1]
+    budget = second.resource_budget.model_copy(update={"capacities": {"machine:ram": 2000}})
+    plan = plan.model_copy(update={"stages": [plan.stages[0], second.model_copy(update={"resource_budget": budget})]})
+    runtime = StageRuntime(resolve_pipeline(plan), plan)
+    with pytest.raises(CapacityConflict, match="capacity of 'machine:ram' is 1000 per stage 0 but 2000 per stage 1"):
+        runtime.start()
+    assert runtime.ledger.snapshot()["reservations"] == [] and os_processes.children() == set()
