@@ -96,7 +96,7 @@ FP32_LOGIT_TOLERANCE = 1e-4
 REDUCED_PROBABILITY_TOLERANCE = 0.002
 DECISIVE_MARGIN = 0.01
 FAST_GRAPH_MODULE = "omnigraph.pipelines.laya.fast_graph"
-FAST_ACTIVATIONS = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 FAST_LOGIT_TOLERANCE = 1e-3  # the custom kernels' float32 rounding differs from MatMul/Softmax's
 # Parameters stored in fp16 / bf16 in reduced-precision bundles (rank >= 2 only).
 REDUCED_PRECISION_PREFIXES = ("encoder.", "head.")
@@ -116,6 +116,8 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     checkpoint, out = Path(checkpoint), Path(out)
+    if not checkpoint.is_dir():
+        raise CheckpointInvalid(f"{checkpoint}: not a checkpoint folder")
     for name in CHECKPOINT_FILES:
         if not (checkpoint / name).is_file():
             raise CheckpointInvalid(f"{checkpoint}: missing checkpoint file {name}")
@@ -137,7 +139,7 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
         if fast_graph is None:
             export_onnx(module, inputs, staging / GRAPH_FILE, precision)
         else:
-            fast_graph.export_fast_onnx(module, inputs, staging / GRAPH_FILE, activation=FAST_ACTIVATIONS[precision])
+            fast_graph.export_fast_onnx(module, inputs, staging / GRAPH_FILE, activation=PRECISION_DTYPES[precision])
             custom_ops = fast_graph.bundle_ops_library(staging)
         np.savez(staging / INPUTS_FILE, **inputs)
         for member, source in COPIED_FILES.items():
@@ -149,7 +151,7 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
                                          custom_ops_library=staging / custom_ops["library_file"])
         else:
             validation = {"status": "not run at build time",
-                          "reason": f"{FAST_ACTIVATIONS[precision]} custom ops run on CUDAExecutionProvider only; "
+                          "reason": f"{PRECISION_DTYPES[precision]} custom ops run on CUDAExecutionProvider only; "
                                     "python -m omnigraph.workers.ops.selftest checks them on the GPU"}
         pack_bundle(
             staging,
@@ -429,8 +431,8 @@ def exporter_info(precision: str, fast: bool) -> dict[str, Any]:
         "onnxruntime": ort.__version__,
         "opset": OPSET,
         "fast": fast,
-        "weights_dtype": FAST_ACTIVATIONS[precision],
-        "compute_dtype": FAST_ACTIVATIONS[precision] if fast else "float32",
+        "weights_dtype": PRECISION_DTYPES[precision],
+        "compute_dtype": PRECISION_DTYPES[precision] if fast else "float32",
     }
 
 

@@ -6,10 +6,12 @@ every test and the embedded demo run on checkpoints written here: the same five 
 and a byte-level BPE tokenizer trained locally. `laya.load(DIR)` loads them strictly.
 
 Weights are random with a fixed seed, but shaped so tests can see mistakes: random encoders give
-nearly identical hidden states at every `[MASK]` marker, so the scorer's output layer is scaled
-x8 (a wrong option logit then moves the answer), and the action head weighs its four confidence
-features heavily so `act_logits` vary with the option distribution. Same size and seed give
-byte-identical files.
+nearly identical hidden states at every `[MASK]` marker, so projections are fan-in scaled (not
+ModernBERT's 0.02 init) and the scorer's output layer is scaled x4: option logits then spread by
+tenths to units, so a wrong logit moves the answer far beyond any parity tolerance, while weights
+rounded to bf16 still keep probabilities within 0.002 (x8 did not). The action head weighs its
+four confidence features x8 so `act_logits` vary with the option distribution. Same size and
+seed give byte-identical files.
 """
 
 from __future__ import annotations
