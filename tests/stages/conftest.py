@@ -121,9 +121,18 @@ def make_plan(bundles):
 
 @pytest.fixture
 def os_processes():
-    """The OS view used to check that no worker outlives the pipeline."""
+    """The OS view used to check that no worker outlives the pipeline.
+
+    `children()` counts only the processes started during this test: a session-scoped fixture of
+    another folder (a demo server) may legitimately keep a child of its own alive meanwhile.
+    """
+    before = child_pids()
+
     class OsProcesses:
-        children = staticmethod(child_pids)
         alive = staticmethod(process_alive)
+
+        @staticmethod
+        def children() -> set[int]:
+            return child_pids() - before
 
     return OsProcesses
