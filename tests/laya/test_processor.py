@@ -60,7 +60,7 @@ def test_prepare_builds_bucketed_tensors_with_the_graph_dtypes(processor):
         assert np.array_equal(work[name][3], work[name][2])
     pad_id = processor.layout.pad_id
     assert np.all(work["input_ids"][work["attention_mask"] == 0] == pad_id)
-    assert prepared.context.input_tokens == int(work["attention_mask"][:3].sum())
+    assert prepared.context.row_tokens == tuple(int(n) for n in work["attention_mask"][:3].sum(axis=1))
 
 
 @pytest.mark.parametrize("length, bucket", [(1, 16), (16, 16), (17, 32), (256, 256), (257, 320),
@@ -78,12 +78,14 @@ def test_rows_and_markers_round_up_to_powers_of_two(processor):
 def test_finish_answers_every_question_in_request_order(processor):
     prepared = processor.prepare(REQUEST)
     response = processor.finish(prepared, _fake_outputs(prepared))
-    assert list(response) == ["model", "answers", "usage"]
+    assert list(response) == ["model", "answers", "usage", "audit"]
     assert response["model"] == "laya"
     assert list(response["answers"]) == ["refund", "team", "urgency"]
     assert [a["type"] for a in response["answers"].values()] == ["noul", "choice", "score"]
     assert list(response["answers"]["team"]["probabilities"]) == ["billing", "shipping", "other"]
-    assert response["usage"] == {"input_tokens": prepared.context.input_tokens, "output_tokens": 0}
+    tokens = dict(zip(["refund", "team", "urgency"], prepared.context.row_tokens))
+    assert response["usage"] == {"input_tokens": sum(tokens.values()), "output_tokens": 0}
+    assert response["audit"] == {"input_tokens": tokens}
     assert processor.finish(processor.prepare({**REQUEST, "model": "english"}),
                             _fake_outputs(prepared))["model"] == "english"
 
@@ -115,7 +117,8 @@ def test_a_request_without_questions_needs_no_forward_pass(processor):
     prepared = processor.prepare({"state": "anything", "questions": {}})
     assert prepared.work == ()
     assert processor.finish(prepared, []) == {
-        "model": "laya", "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0}}
+        "model": "laya", "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0},
+        "audit": {"input_tokens": {}}}
 
 
 @pytest.mark.parametrize("damage, message", [

@@ -47,7 +47,7 @@ class LayaContext:
 
     request: DecisionRequest
     batches: tuple[tuple[int, ...], ...]   # question indices of each work item's real rows
-    input_tokens: int                      # tokens of every real row, padding excluded
+    row_tokens: tuple[int, ...]            # each question's row length, padding excluded
 
 
 def _batch_layout(layout: Mapping[str, Any], tokenizer: LayaTokenizer, bundle: VerifiedBundle, *,
@@ -112,14 +112,14 @@ class LayaProcessor:
         """Validate the whole request, then build its padded forward batches."""
         decision = parse_request(request, self._limits)
         if not decision.questions:
-            context = LayaContext(request=decision, batches=(), input_tokens=0)
+            context = LayaContext(request=decision, batches=(), row_tokens=())
             return PreparedRequest(work=(), context=context)
         state_ids = self._tokenizer.encode(decision.state_text)
         rows = [self._row(decision, index, state_ids) for index in range(len(decision.questions))]
         batches = tuple(pack_batches(rows, self._layout))
         work = tuple(collate([rows[i] for i in batch], self._layout) for batch in batches)
         context = LayaContext(request=decision, batches=batches,
-                              input_tokens=sum(len(row.ids) for row in rows))
+                              row_tokens=tuple(len(row.ids) for row in rows))
         return PreparedRequest(work=work, context=context)
 
     def _row(self, decision: DecisionRequest, index: int, state_ids: list[int]) -> Row:
@@ -150,7 +150,9 @@ class LayaProcessor:
         return {
             "model": context.request.model or DEFAULT_MODEL_NAME,
             "answers": {q.qid: answer for q, answer in zip(questions, answers)},
-            "usage": {"input_tokens": context.input_tokens, "output_tokens": 0},
+            "usage": {"input_tokens": sum(context.row_tokens), "output_tokens": 0},
+            # Per-question token counts belong to this response's audit (what produced each answer).
+            "audit": {"input_tokens": {q.qid: n for q, n in zip(questions, context.row_tokens)}},
         }
 
     @staticmethod
