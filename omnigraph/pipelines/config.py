@@ -38,6 +38,8 @@ class StagePipelineConfig:
     `input_sources` are the stage ids whose outputs feed this stage (empty for the entry stage);
     `custom_process_input_func` turns those outputs into this stage's inputs (`{"tensors": ...}`);
     without it, outputs pass on by name. Exactly one stage of a pipeline is its `final_output`.
+    `max_batch_rows` > 1 lets a graph stage merge queued work items of different requests into one
+    call of at most that many rows (axis 0); 1 (the default) runs each work item alone.
     """
 
     stage_id: int
@@ -47,6 +49,7 @@ class StagePipelineConfig:
     final_output: bool = False
     final_output_type: str | None = None
     custom_process_input_func: str | None = None
+    max_batch_rows: int = 1
 
     def __post_init__(self) -> None:
         where = f"stage {self.stage_id!r}"
@@ -74,6 +77,8 @@ class StagePipelineConfig:
         if not self.final_output and self.final_output_type is not None:
             raise PipelineConfigError(f"{where}: final_output_type is set but the stage is not a final_output")
         check_dotted(self.custom_process_input_func, f"{where}: custom_process_input_func")
+        if not isinstance(self.max_batch_rows, int) or isinstance(self.max_batch_rows, bool) or self.max_batch_rows < 1:
+            raise PipelineConfigError(f"{where}: max_batch_rows must be an int >= 1, got {self.max_batch_rows!r}")
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,10 @@ from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
 
 GRAPH_BACKEND = "external.graph.v1"
 DEFAULT_MAX_QUEUED_REQUESTS = 32
+DEFAULT_MAX_RESTARTS = 5
+DEFAULT_RESTART_WINDOW_S = 60.0
+# Why: a wait longer than a few milliseconds costs more latency than batching saves on a small graph.
+MAX_BATCH_WAIT_US = 100_000
 _DECLARATION_KEYS = ("model_stage", "execution_type", "input_sources", "final_output",
                      "final_output_type", "custom_process_input_func")
 
@@ -99,6 +103,23 @@ class ResourceBudgetConfig(_Strict):
         return self
 
 
+class RestartConfig(_Strict):
+    """How often a retired replica is replaced: at most `max_restarts` within any `window_s`
+    seconds; one more retirement fails the stage for good (0: never replace)."""
+
+    max_restarts: int = Field(default=DEFAULT_MAX_RESTARTS, ge=0)
+    window_s: float = Field(default=DEFAULT_RESTART_WINDOW_S, gt=0)
+
+
+class BatchingConfig(_Strict):
+    """Cross-request batching of a graph stage: `max_batch_rows` (None: the pipeline's
+    declaration) bounds the rows of one merged call; `batch_wait_us` is how long a free replica
+    waits for more compatible work before calling (0: take only what is already queued)."""
+
+    max_batch_rows: int | None = Field(default=None, ge=1)
+    batch_wait_us: int = Field(default=0, ge=0, le=MAX_BATCH_WAIT_US)
+
+
 class StageDeployConfig(_Strict):
     """One stage of the plan; the declaration keys are only for pipelines declared inline."""
 
@@ -106,6 +127,8 @@ class StageDeployConfig(_Strict):
     backend: GraphBackendConfig | None = None
     resource_budget: ResourceBudgetConfig = Field(default_factory=ResourceBudgetConfig)
     num_replicas: int = Field(default=1, ge=1)
+    restart: RestartConfig = Field(default_factory=RestartConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
     env: dict[str, str] = Field(default_factory=dict)
     model_stage: str | None = None
     execution_type: Literal["graph", "llm_pooling"] | None = None
@@ -201,6 +224,7 @@ def _inline_pipeline(deploy: DeployConfig) -> PipelineConfig:
                 final_output=bool(stage.final_output),
                 final_output_type=stage.final_output_type,
                 custom_process_input_func=stage.custom_process_input_func,
+                max_batch_rows=stage.batching.max_batch_rows or 1,
             ))
         except PipelineConfigError as exc:
             raise DeployConfigError(f"stages[{index}]: {exc}") from None

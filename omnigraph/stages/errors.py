@@ -42,7 +42,12 @@ class StageStartupError(StageError):
 
 
 class StageUnavailable(StageError):
-    """A stage has no live replica left; the pipeline must be recreated."""
+    """A stage has no live replica: `retry_after` seconds while a replacement is starting, None
+    once the stage has failed for good (the pipeline must be recreated)."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class HandoffInvalid(StageError):

@@ -1,20 +1,24 @@
 """GraphStageClient: one replica of a graph stage, a worker process and the thread that feeds it.
 
-Each replica owns a dedicated thread taking work items from its stage's shared queue, so a
-replica has exactly one call in flight (the worker's rule) and idle replicas pick up work as soon
-as it is queued. A call cannot be pre-empted: cancelling one, a deadline passing inside one, or
-any fault that leaves the worker in doubt *retires* the replica: its worker is killed, its
-reservation stays quarantined until the OS confirms the process is gone, then it is released.
+Each replica owns a dedicated thread taking work from its stage's shared queue, so a replica has
+exactly one call in flight (the worker's rule) and idle replicas pick up work as soon as it is
+queued. One call serves a batch of work items (see batching.py; one item unless the stage
+batches). A call cannot be pre-empted: cancelling every request of a call, a deadline passing
+inside one, or any fault that leaves the worker in doubt *retires* the replica: its worker is
+killed, its reservation stays quarantined until the OS confirms the process is gone, then it is
+released and the stage may start a replacement (runtime.py). Cancelling one request of a batch
+whose other requests still wait only drops that request's rows from the reply.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
+from omnigraph.stages.batching import STOP, merge_inputs, split_outputs
 from omnigraph.stages.errors import DeadlineExceeded, StageError, StageUnavailable
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.workers.errors import RemoteError, WorkerTimeout
@@ -51,27 +55,27 @@ def _request_level(error: BaseException) -> bool:
     return isinstance(error, RemoteError) and error.code in _REQUEST_LEVEL_CODES
 
 
-STOP = object()  # queued once per serving replica at shutdown
-
-
 class GraphStageClient:
     """One started, loaded and warmed-up worker serving a stage's queue."""
 
     def __init__(self, stage: GraphStage, replica: int, client: WorkerClient, route: WorkerRoute,
-                 reservation: Reservation | None, ledger: ResourceLedger, load_report: LoadReport) -> None:
+                 reservation: Reservation | None, ledger: ResourceLedger, load_report: LoadReport,
+                 *, restarts: int = 0) -> None:
         self.stage = stage
         self.replica = replica
         self.client = client
         self.route = route
         self.reservation = reservation
         self.load_report = load_report
+        self.restarts = restarts
         self._ledger = ledger
         self._lock = threading.Lock()
-        self._current: WorkItem | None = None
+        self._current: Sequence[WorkItem] = ()
         self._interrupt_reason: str | None = None
         self.retired_reason: str | None = None
         self.exit_verified: bool | None = None
         self.calls = 0
+        self.items = 0
         self._thread = threading.Thread(
             target=self._serve, name=f"omnigraph-stage{stage.stage_id}-replica{replica}", daemon=True
         )
@@ -98,10 +102,12 @@ class GraphStageClient:
         return not self._thread.is_alive()
 
     def interrupt(self, request_id: str, reason: str) -> bool:
-        """Retire this replica if its call in flight belongs to `request_id` (calls cannot be pre-empted)."""
+        """Retire this replica if its call in flight serves `request_id` and no other request that
+        still waits (calls cannot be pre-empted; a cancelled request's rows are dropped otherwise)."""
         with self._lock:
             current = self._current
-            if current is None or current.request_id != request_id or self._interrupt_reason is not None:
+            if (self._interrupt_reason is not None or not any(item.request_id == request_id for item in current)
+                    or any(item.is_live() for item in current)):
                 return False
             self._interrupt_reason = reason
         self.client.kill()
@@ -113,12 +119,14 @@ class GraphStageClient:
         return {
             "replica": self.replica,
             "generation": self.client.generation,
+            "restarts": self.restarts,
             "pid": self.client.pid,
             "state": self.state,
-            "in_flight": current.request_id if (current := self._current) is not None else None,
+            "in_flight": [item.request_id for item in self._current],
             "retired_reason": self.retired_reason,
             "exit_verified": self.exit_verified,
             "calls": self.calls,
+            "items": self.items,
             "route": self.route.to_dict(),
             "reservation": dict(self.reservation.demands) if self.reservation else {},
             "placement": self.load_report.placement.to_dict(),
@@ -127,16 +135,17 @@ class GraphStageClient:
             "warmup_ms": self.load_report.warmup_ms,
         }
 
-    def retire(self, reason: str, failed: tuple[WorkItem, BaseException] | None = None) -> None:
+    def retire(self, reason: str, failed: Sequence[WorkItem] = (), error: BaseException | None = None) -> None:
         """Take the replica out of service and kill its worker; the reservation stays quarantined
-        until the OS confirms the exit. `failed` (a work item and its error) is failed once the
-        stage already reports the retirement, so whoever sees the error also sees the stage's health."""
+        until the OS confirms the exit, then the stage hears that the replica is gone. The `failed`
+        work items get `error` once the stage already reports the retirement, so whoever sees the
+        error also sees the stage's state."""
         if self.retired_reason is not None:
             return
         self.retired_reason = reason
         self.stage.replica_retired(self)
-        if failed is not None:
-            failed[0].fail(failed[1])
+        for item in failed:
+            item.fail(error)  # type: ignore[arg-type]
         if self.reservation is not None:
             self._ledger.quarantine(self.reservation)
         self.client.kill()
@@ -146,6 +155,7 @@ class GraphStageClient:
                 self._ledger.release_quarantined(self.reservation)
             self.client.close()
         self.exit_verified = verified
+        self.stage.replica_exited(self)
 
     def close(self, timeout: float) -> None:
         """Stop the worker after shutdown; falls back to kill, releases the reservation once gone."""
@@ -167,45 +177,68 @@ class GraphStageClient:
                 self._ledger.quarantine(self.reservation)
 
     def _serve(self) -> None:
-        queue = self.stage.queue
         while True:
-            item = queue.get()
-            if item is STOP:
+            batch = self.stage.queue.take()
+            if batch is STOP:
                 return
+            items = self._admit(batch)  # type: ignore[arg-type]
+            if items and not self._call(items):
+                return
+
+    def _admit(self, batch: list[WorkItem]) -> list[WorkItem]:
+        """The batch's items still worth a call: cancelled ones are dropped, late ones failed."""
+        admitted = []
+        for item in batch:
             if not item.is_live():
                 continue
             remaining = item.remaining()
             if remaining is not None and remaining <= 0:
                 item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage {self.stage.stage_id}"))
                 continue
+            admitted.append(item)
+        return admitted
+
+    def _call(self, items: list[WorkItem]) -> bool:
+        """One worker call for `items`; False once the replica retired."""
+        remaining = [item.remaining() for item in items]
+        timeout = None if None in remaining else max(remaining)  # type: ignore[type-var]
+        first = items[0]
+        call_id = first.request_id if len(items) == 1 else f"{first.request_id}+{len(items) - 1}"
+        rows = [len(next(iter(item.tensors.values()))) for item in items]
+        with self._lock:
+            self._current = items
+        started = time.perf_counter()
+        try:
+            outputs = self.client.run(merge_inputs(items), request_id=call_id[:256], stage_id=self.stage.stage_id,
+                                      epoch=first.epoch, timeout=timeout)
+            shares = split_outputs(outputs, rows)
+        except BaseException as exc:  # every failure is routed: to the requests, and maybe retirement
             with self._lock:
-                self._current = item
-            started = time.perf_counter()
-            try:
-                outputs = self.client.run(item.tensors, request_id=item.request_id, stage_id=self.stage.stage_id,
-                                          epoch=item.epoch, timeout=remaining)
-            except BaseException as exc:  # every failure is routed: to the request, and maybe retirement
-                with self._lock:
-                    self._current = None
-                    interrupted = self._interrupt_reason
-                if interrupted is None and _request_level(exc):
-                    item.fail(exc)
-                    continue
-                cause = f"{type(exc).__name__}: {exc}"
-                if isinstance(exc, WorkerTimeout):
-                    error: StageError = DeadlineExceeded(
-                        f"request {item.request_id}: deadline passed inside stage {self.stage.stage_id}")
-                else:
-                    error = StageUnavailable(
-                        f"stage {self.stage.stage_id} replica {self.replica} failed during request {item.request_id}: {cause}")
-                error.__cause__ = exc
-                self.retire(interrupted or cause, failed=(item, error))
-                return
-            with self._lock:
-                self._current = None
+                self._current = ()
                 interrupted = self._interrupt_reason
-            self.calls += 1
-            if interrupted is not None:  # killed just as the call returned: the worker is gone
-                self.retire(interrupted)
-                return
-            item.complete(outputs, time.perf_counter() - started)
+            if interrupted is None and _request_level(exc):
+                for item in items:
+                    item.fail(exc)
+                return True
+            cause = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, WorkerTimeout):
+                error: StageError = DeadlineExceeded(f"request {call_id}: deadline passed inside stage {self.stage.stage_id}")
+            else:
+                error = StageUnavailable(
+                    f"stage {self.stage.stage_id} replica {self.replica} failed during request {call_id}: {cause}")
+            error.__cause__ = exc
+            self.retire(interrupted or cause, failed=items, error=error)
+            return False
+        seconds = time.perf_counter() - started
+        with self._lock:
+            self._current = ()
+            interrupted = self._interrupt_reason
+        self.calls += 1
+        self.items += len(items)
+        if interrupted is not None:  # killed just as the call returned: the worker is gone
+            self.retire(interrupted)
+            return False
+        for item, share in zip(items, shares):
+            if item.is_live():
+                item.complete(share, seconds)
+        return True

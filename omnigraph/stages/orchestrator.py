@@ -2,7 +2,8 @@
 
 A request is prepared by the pipeline's processor (nothing reaches a stage before the whole
 request is valid), admitted against a bounded queue (full: `ResourceUnavailable` at once), and
-its work items enter the first stage. Each stage's replica threads run the calls; when a call
+its work items enter the first stage. Each stage's replica threads run the calls (one call may
+carry compatible work items of several requests where the stage declares batching); when a call
 returns, the same thread hands the outputs to the next stage (through the stage's
 `custom_process_input_func`, checked against the inputs the next bundle declares) or, after the
 final stage, finishes the request with the processor. The caller only waits for a callback, so the
@@ -210,8 +211,7 @@ class Orchestrator:
         if self._closed:
             raise PipelineClosed("the pipeline is shut down")
         for stage in self._chain:
-            if stage.failure is not None:
-                raise StageUnavailable(f"stage {stage.stage_id} has no live replica ({stage.failure}); recreate the pipeline")
+            stage.check_available()
 
     def acknowledge(self, request: RequestState) -> None:
         """The caller has the result: the request leaves the admission count."""
@@ -235,11 +235,13 @@ class Orchestrator:
 
     def _interrupt(self, request_id: str, reason: str) -> None:
         for stage in self._chain:
-            for replica in stage.replicas:
+            for replica in list(stage.replicas):
                 replica.interrupt(request_id, reason)
 
     def close(self) -> None:
-        """Refuse new requests and fail every unfinished one; calls in flight for them retire their workers."""
+        """Refuse new requests and fail every unfinished one; calls in flight for them retire their
+        workers, which are no longer replaced."""
+        self.runtime.stop_replacing()
         with self._lock:
             self._closed = True
             pending = list(self._active.values())

@@ -5,12 +5,20 @@ route; reserve the WHOLE plan in the ledger (all replicas of all stages, atomica
 load and warm up each replica's worker (the worker refuses a placement that breaks the route).
 Any failure unwinds everything started so far and releases every reservation, so a refused plan
 leaves no process and no charge behind.
+
+A retired replica (graph_client.py) is replaced in the background, never on a request's path:
+once the OS has confirmed its worker's exit and its reservation is released, a new worker
+generation of the same stage reserves the stage's demands again, starts, loads and warms up, then
+joins the stage's queue. The deploy key `restart` bounds this (RestartBudget); a start that fails
+counts as a restart and gives back all it took. While a stage has no live replica its requests
+fail at once with StageUnavailable: with `retry_after` while a replacement is on its way, without
+once the budget is spent and the stage has failed for good.
 """
 
 from __future__ import annotations
 
 import itertools
-import queue
+import logging
 import threading
 from typing import Any, Callable, Mapping
 
@@ -20,16 +28,24 @@ from omnigraph.bundles import VerifiedBundle, verify_bundle
 from omnigraph.pipelines.config import PipelineConfig, StageExecutionType, StagePipelineConfig
 from omnigraph.pipelines.deploy import DeployConfig, StageDeployConfig
 from omnigraph.pipelines.registry import resolve_dotted
+from omnigraph.stages.batching import STOP, StageQueue, batch_axis_problem
 from omnigraph.stages.errors import StageStartupError, StageUnavailable
-from omnigraph.stages.graph_client import STOP, GraphStageClient
+from omnigraph.stages.graph_client import GraphStageClient
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
+from omnigraph.stages.restarts import RestartBudget
 from omnigraph.stages.tensors import InputSpec, input_specs
 from omnigraph.workers.client import WorkerClient
 from omnigraph.workers.route import WorkerRoute
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+# Why: a replacement worker starts and warms up within seconds; clients retry after about this long.
+REPLACEMENT_RETRY_AFTER_S = 1.0
+logger = logging.getLogger("omnigraph.stages")
+Launched = list[tuple[WorkerClient, Reservation]]
+# (stage, slot, restarts, launched) -> a started replica for the slot (StageRuntime._start_replacement)
+StartReplacement = Callable[["GraphStage", int, int, Launched], GraphStageClient]
 HandoffFunc = Callable[[Mapping[int, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], Mapping[str, Any]]
 
 
@@ -58,48 +74,149 @@ def worker_route(stage: StageDeployConfig) -> WorkerRoute:
 
 
 class GraphStage:
-    """A graph stage's serving state: its replicas and the queue they share."""
+    """A graph stage's serving state: its replica slots, the queue they share, its restarts."""
 
     def __init__(self, config: StagePipelineConfig, deploy: StageDeployConfig, bundle: VerifiedBundle,
-                 route: WorkerRoute) -> None:
+                 route: WorkerRoute, start_replacement: StartReplacement) -> None:
         self.config = config
         self.deploy = deploy
         self.bundle = bundle
         self.route = route
         self.stage_id = config.stage_id
-        self.queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        batching = deploy.batching
+        self.queue = StageQueue(batching.max_batch_rows or config.max_batch_rows, batching.batch_wait_us)
         self.replicas: list[GraphStageClient] = []
         self.input_specs: dict[str, InputSpec] = {}
         self.handoff: HandoffFunc = (
             resolve_dotted(config.custom_process_input_func) if config.custom_process_input_func else outputs_as_inputs
         )
         self.failure: str | None = None
+        self.restart_budget = RestartBudget(deploy.restart.max_restarts, deploy.restart.window_s)
+        self._replacing: set[int] = set()         # slots whose replacement is due or starting
+        self._launches: list[Launched] = []        # workers being started by replacements
+        self._threads: list[threading.Thread] = []
+        self._start_replacement = start_replacement
+        self._closing = False
         self._lock = threading.Lock()
 
+    def check_batching(self) -> None:
+        """Refuse a declared `max_batch_rows` the loaded bundle's I/O cannot honour."""
+        if self.queue.max_batch_rows > 1 and (problem := batch_axis_problem(self.replicas[0].load_report)):
+            raise StageStartupError(self.stage_id, 0, f"max_batch_rows={self.queue.max_batch_rows} is declared but "
+                                    f"calls of {self.bundle.manifest.component} cannot be merged: {problem}")
+
     def submit(self, item: Any) -> None:
-        """Queue a work item for the next free replica; fails fast once no replica is left."""
+        """Queue a work item for the next free replica; fails fast while no replica is live."""
         with self._lock:
-            if self.failure is not None:
-                raise StageUnavailable(f"stage {self.stage_id} has no live replica ({self.failure}); recreate the pipeline")
+            self._check_live_locked()
             self.queue.put(item)
 
-    def replica_retired(self, replica: GraphStageClient) -> None:
-        """Called by a retiring replica; the last one out fails everything still queued here."""
+    def check_available(self) -> None:
+        """Raise StageUnavailable unless a replica is live."""
         with self._lock:
-            if any(r.serving for r in self.replicas) or self.failure is not None:
+            self._check_live_locked()
+
+    def _check_live_locked(self) -> None:
+        if self.failure is not None:
+            raise StageUnavailable(f"stage {self.stage_id} has no live replica ({self.failure}); recreate the pipeline")
+        if not any(r.serving for r in self.replicas):
+            raise StageUnavailable(f"stage {self.stage_id} has no live replica: a replacement is starting",
+                                   retry_after=REPLACEMENT_RETRY_AFTER_S)
+
+    def replica_retired(self, replica: GraphStageClient) -> None:
+        """Called by a retiring replica: decide (budget permitting) to replace it; while no replica
+        is live, everything queued here fails at once."""
+        with self._lock:
+            reason = f"replica {replica.replica} retired: {replica.retired_reason}"
+            if not self._closing and self.failure is None:
+                if self.restart_budget.spend():
+                    self._replacing.add(replica.replica)
+                else:
+                    reason += f" (restart budget of {self.restart_budget.describe()} spent)"
+            self._fail_if_dead_locked(reason)
+
+    def replica_exited(self, replica: GraphStageClient) -> None:
+        """Called once the retired replica's worker is gone (or its exit could not be verified)."""
+        with self._lock:
+            if replica.replica not in self._replacing:
                 return
-            self.failure = f"replica {replica.replica} retired: {replica.retired_reason}"
+            if self._closing or not replica.exit_verified:
+                self._replacing.discard(replica.replica)
+                self._fail_if_dead_locked(f"replica {replica.replica} retired: {replica.retired_reason}"
+                                          + ("" if self._closing else "; its worker's exit was not verified, so it is not replaced"))
+                return
+            thread = threading.Thread(target=self._replace, args=(replica.replica, replica.restarts + 1),
+                                      name=f"omnigraph-stage{self.stage_id}-replace{replica.replica}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def _fail_if_dead_locked(self, reason: str) -> None:
+        if any(r.serving for r in self.replicas):
+            return
+        if self._replacing:
+            error = StageUnavailable(f"stage {self.stage_id} has no live replica ({reason}); a replacement is starting",
+                                     retry_after=REPLACEMENT_RETRY_AFTER_S)
+        else:
+            if self.failure is None:
+                self.failure = reason
             error = StageUnavailable(f"stage {self.stage_id} has no live replica ({self.failure}); recreate the pipeline")
-            while True:
-                try:
-                    item = self.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is not STOP:
-                    item.fail(error)
+        for item in self.queue.drain():
+            item.fail(error)
+
+    def _replace(self, slot: int, restarts: int) -> None:
+        """In a background thread: start a new generation for `slot`, retrying within the budget."""
+        while True:
+            launched: Launched = []
+            with self._lock:
+                if self._closing:
+                    self._replacing.discard(slot)
+                    return
+                self._launches.append(launched)
+            try:
+                replica = self._start_replacement(self, slot, restarts, launched)
+            except Exception as exc:  # refused reservation, start, load or warmup: counts as a restart
+                logger.warning("stage %d: replacement of replica %d failed: %s", self.stage_id, slot, exc)
+                with self._lock:
+                    self._launches.remove(launched)
+                    if not self._closing and self.restart_budget.spend():
+                        restarts += 1
+                        continue
+                    self._replacing.discard(slot)
+                    self._fail_if_dead_locked(f"replacement of replica {slot} failed: {exc}" + (
+                        "" if self._closing else f" (restart budget of {self.restart_budget.describe()} spent)"))
+                return
+            with self._lock:
+                self._launches.remove(launched)
+                self._replacing.discard(slot)
+                installed = not self._closing
+                if installed:
+                    self.replicas[slot] = replica
+                    replica.start_serving()
+            if not installed:
+                replica.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
+            return
+
+    def register_launch(self, launched: Launched, client: WorkerClient, reservation: Reservation) -> None:
+        """Track a worker as soon as it exists, so a shutdown meanwhile can kill it."""
+        with self._lock:
+            launched.append((client, reservation))
+            if self._closing:
+                client.kill()
+
+    def stop_replacing(self) -> None:
+        """No replacement starts from now on; workers being started are killed (their starts unwind)."""
+        with self._lock:
+            self._closing = True
+            for launched in self._launches:
+                for client, _ in launched:
+                    client.kill()
 
     def stop(self, timeout: float) -> None:
-        """Stop every replica thread (a retiring one first verifies its worker's exit), then close the workers."""
+        """Stop replacements, then every replica thread (a retiring one first verifies its worker's
+        exit), then close the workers."""
+        self.stop_replacing()
+        for thread in list(self._threads):
+            thread.join()  # bounded: a start is killed above or ends within the startup timeout
         for replica in self.replicas:
             if replica.serving:
                 self.queue.put(STOP)
@@ -123,6 +240,9 @@ class GraphStage:
             "num_replicas": self.deploy.num_replicas,
             "live_replicas": sum(r.serving for r in self.replicas),
             "failure": self.failure,
+            "batching": {"max_batch_rows": self.queue.max_batch_rows, "batch_wait_us": self.deploy.batching.batch_wait_us},
+            "restart": {"max_restarts": self.restart_budget.max_restarts, "window_s": self.restart_budget.window_s,
+                        "restarts": self.restart_budget.spent, "replacing": sorted(self._replacing)},
             "replicas": [r.describe() for r in self.replicas],
         }
 
@@ -156,14 +276,15 @@ class StageRuntime:
             self.ledger.declare_capacities(stage.deploy.resource_budget.capacities, declared_by=f"stage {stage.stage_id}")
         owners = [(stage, replica) for stage in stages for replica in range(stage.deploy.num_replicas)]
         reservations = self.ledger.reserve_all([
-            (f"stage{stage.stage_id}/replica{replica}", stage.deploy.resource_budget.demands) for stage, replica in owners
+            (_owner(stage, replica), stage.deploy.resource_budget.demands) for stage, replica in owners
         ])
-        launched: list[tuple[WorkerClient, Reservation]] = []
+        launched: Launched = []
         try:
             for (stage, replica), reservation in zip(owners, reservations):
                 stage.replicas.append(self._start_replica(stage, replica, reservation, launched))
             for stage in stages:
                 stage.input_specs = input_specs(stage.replicas[0].load_report)
+                stage.check_batching()
         except BaseException:
             self._unwind(launched, reservations)
             raise
@@ -172,7 +293,7 @@ class StageRuntime:
             for replica in stage.replicas:
                 replica.start_serving()
 
-    def _unwind(self, launched: list[tuple[WorkerClient, Reservation]], reservations: list[Reservation]) -> None:
+    def _unwind(self, launched: Launched, reservations: list[Reservation]) -> None:
         """Kill every worker started so far; release each reservation (quarantine if an exit is unverified)."""
         for client, _ in launched:
             client.kill()
@@ -194,25 +315,37 @@ class StageRuntime:
         if config.execution_type is not StageExecutionType.GRAPH:
             raise StageStartupError(stage_id, 0, f"execution_type {config.execution_type.value!r} has no stage client in this engine")
         bundle = verify_bundle(deploy.backend.manifest)
-        return GraphStage(config, deploy, bundle, worker_route(deploy))
+        return GraphStage(config, deploy, bundle, worker_route(deploy), self._start_replacement)
 
-    def _start_replica(self, stage: GraphStage, replica: int, reservation: Reservation,
-                       launched: list[tuple[WorkerClient, Reservation]]) -> GraphStageClient:
+    def _start_replica(self, stage: GraphStage, replica: int, reservation: Reservation, launched: Launched, *,
+                       restarts: int = 0) -> GraphStageClient:
+        """Start, load and warm up one worker charged to `reservation`; `launched` gets it once it exists."""
         try:
             client = WorkerClient.start(stage.route, generation=next(self._generations), startup_timeout=self.startup_timeout)
         except Exception as exc:
             raise StageStartupError(stage.stage_id, replica, f"worker did not start: {exc}") from exc
-        launched.append((client, reservation))
+        stage.register_launch(launched, client, reservation)
         try:
             report = client.load(stage.bundle.manifest_path, timeout=self.startup_timeout)
         except Exception as exc:
             raise StageStartupError(stage.stage_id, replica, f"load and warmup refused: {exc}") from exc
         if report.manifest_sha256 != stage.bundle.manifest_sha256:
             raise StageStartupError(stage.stage_id, replica, "the worker loaded another manifest than the one verified here")
-        return GraphStageClient(stage, replica, client, stage.route, reservation, self.ledger, report)
+        return GraphStageClient(stage, replica, client, stage.route, reservation, self.ledger, report, restarts=restarts)
+
+    def _start_replacement(self, stage: GraphStage, slot: int, restarts: int, launched: Launched) -> GraphStageClient:
+        """A new generation for a retired slot: its own reservation, start, load, warmup; all of it
+        given back if any step fails."""
+        reservation = self.ledger.reserve(_owner(stage, slot), stage.deploy.resource_budget.demands)
+        try:
+            return self._start_replica(stage, slot, reservation, launched, restarts=restarts)
+        except BaseException:
+            self._unwind(launched, [reservation])
+            raise
 
     def execution_plan(self) -> dict[str, Any]:
-        """Per stage: manifest identity, and per replica: worker generation, route, reservation, placement."""
+        """Per stage: manifest identity, batching, restarts; per replica: worker generation,
+        restarts, route, reservation, placement."""
         return {
             "pipeline": self.pipeline.model_type,
             "final_output_type": self.pipeline.final_output_type,
@@ -221,8 +354,13 @@ class StageRuntime:
         }
 
     def health(self) -> dict[int, str]:
-        """Failed stages -> why (empty when every stage has a live replica)."""
+        """Stages failed for good -> why (empty while every stage has, or is replacing, a replica)."""
         return {stage.stage_id: stage.failure for stage in self.ordered_stages if stage.failure is not None}
+
+    def stop_replacing(self) -> None:
+        """No retired replica is replaced from now on (the first step of a shutdown)."""
+        for stage in self.ordered_stages:
+            stage.stop_replacing()
 
     def shutdown(self, timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S) -> None:
         """Stop every replica and release every reservation whose worker is verified gone."""
@@ -231,3 +369,7 @@ class StageRuntime:
         self._closed = True
         for stage in self.ordered_stages:
             stage.stop(timeout)
+
+
+def _owner(stage: GraphStage, replica: int) -> str:
+    return f"stage{stage.stage_id}/replica{replica}"

@@ -63,8 +63,9 @@ _plans = iter(range(10**6))
 
 def chain_plan(bundles: dict[str, Path], *names: str, replicas: int = 1, capacity: int | None = None,
                demand: int | None = None, max_queued_requests: int = 32, max_io_bytes: int | None = None,
-               **route: Any):
-    """A deploy plan chaining the named bundles, declared inline (one stage each, in order)."""
+               restart: dict[str, Any] | None = None, batching: dict[str, Any] | None = None, **route: Any):
+    """A deploy plan chaining the named bundles, declared inline (one stage each, in order);
+    `restart` and `batching` are the stages' deploy keys of those names."""
     stages = []
     for stage_id, name in enumerate(names):
         stage: dict[str, Any] = {
@@ -76,6 +77,10 @@ def chain_plan(bundles: dict[str, Path], *names: str, replicas: int = 1, capacit
         }
         if max_io_bytes is not None:
             stage["backend"]["max_io_bytes"] = max_io_bytes
+        if restart is not None:
+            stage["restart"] = restart
+        if batching is not None:
+            stage["batching"] = batching
         if stage_id:
             stage["input_sources"] = [stage_id - 1]
         if stage_id == len(names) - 1:

@@ -24,6 +24,7 @@ from omnigraph.stages.runtime import StageRuntime
 BIG = {"tensors": {"x": np.zeros((1024, 1024), np.float32)}}   # a call that runs for many seconds
 MEDIUM = {"tensors": {"x": np.zeros((192, 192), np.float32)}}  # a call of a fraction of a second
 SMALL = {"tensors": {"x": np.ones((4, 4), np.float32)}}
+NO_RESTART = {"max_restarts": 0}  # a retired replica stays retired: later requests fail fast
 
 
 async def first(omni, prompt, request_id, **kwargs):
@@ -34,7 +35,7 @@ async def first(omni, prompt, request_id, **kwargs):
 async def until_in_flight(omni, request_id, stage=0):
     """Wait (polling the execution plan) until a replica of `stage` is running `request_id`."""
     for _ in range(2000):
-        if any(r["in_flight"] == request_id for r in omni.execution_plan["stages"][stage]["replicas"]):
+        if any(request_id in r["in_flight"] for r in omni.execution_plan["stages"][stage]["replicas"]):
             return
         await asyncio.sleep(0.005)
     raise AssertionError(f"{request_id} never reached a worker")
@@ -106,7 +107,7 @@ def test_queue_full_is_refused_at_once(make_plan):
 
 def test_cancelling_an_in_flight_call_retires_the_worker(make_plan, os_processes):
     async def main():
-        async with AsyncOmni(deploy_config=make_plan("slow", capacity=1000, demand=300)) as omni:
+        async with AsyncOmni(deploy_config=make_plan("slow", capacity=1000, demand=300, restart=NO_RESTART)) as omni:
             task = asyncio.create_task(first(omni, BIG, "doomed"))
             await until_in_flight(omni, "doomed")
             (replica,) = replicas(omni)
@@ -128,7 +129,7 @@ def test_cancelling_an_in_flight_call_retires_the_worker(make_plan, os_processes
 
 def test_a_remaining_replica_keeps_serving(make_plan):
     async def main():
-        async with AsyncOmni(deploy_config=make_plan("slow", replicas=2)) as omni:
+        async with AsyncOmni(deploy_config=make_plan("slow", replicas=2, restart=NO_RESTART)) as omni:
             task = asyncio.create_task(first(omni, BIG, "doomed"))
             await until_in_flight(omni, "doomed")
             await omni.abort("doomed")
@@ -178,7 +179,7 @@ def test_deadline_passing_in_the_queue_fails_without_dispatch(make_plan):
 
 def test_cancelling_the_consumer_aborts_the_request(make_plan):
     async def main():
-        async with AsyncOmni(deploy_config=make_plan("slow", replicas=2)) as omni:
+        async with AsyncOmni(deploy_config=make_plan("slow", replicas=2, restart=NO_RESTART)) as omni:
             task = asyncio.create_task(first(omni, BIG, "gone"))
             await until_in_flight(omni, "gone")
             task.cancel()
@@ -201,7 +202,7 @@ def test_omni_batches_beyond_the_admission_bound(make_plan):
 
 def test_a_deadline_inside_a_call_retires_that_worker_only(make_plan):
     async def main():
-        async with AsyncOmni(deploy_config=make_plan("slow", replicas=2, capacity=100, demand=10)) as omni:
+        async with AsyncOmni(deploy_config=make_plan("slow", replicas=2, capacity=100, demand=10, restart=NO_RESTART)) as omni:
             with pytest.raises(DeadlineExceeded, match="deadline passed inside stage 0"):
                 await first(omni, BIG, "late", deadline_s=0.5)
             await until_retired(omni)
@@ -234,7 +235,7 @@ def test_shutdown_with_a_call_in_flight(make_plan, os_processes):
 
 
 def test_a_worker_killed_from_outside_fails_its_stage_fast(make_plan, os_processes):
-    with Omni(deploy_config=make_plan("affine")) as omni:
+    with Omni(deploy_config=make_plan("affine", restart=NO_RESTART)) as omni:
         (replica,) = replicas(omni)
         os.kill(replica["pid"], signal.SIGKILL)
         (failed,) = omni.generate(SMALL)

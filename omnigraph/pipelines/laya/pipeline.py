@@ -15,6 +15,9 @@ LAYA_PIPELINE = PipelineConfig(
             execution_type=StageExecutionType.GRAPH,
             final_output=True,
             final_output_type="decision",
+            # The graph's B axis is dynamic and every output leads with it, so single-question
+            # requests arriving together share one forward call (rows stay per request).
+            max_batch_rows=32,
         ),
     ),
     processor="omnigraph.pipelines.laya.processor:LayaProcessor",

@@ -177,7 +177,12 @@ class DecisionService:
         except ResourceUnavailable as exc:
             raise ApiError(503, str(exc), code="queue_full",
                            headers={"Retry-After": str(max(1, round(exc.retry_after)))}) from None
-        except (StageUnavailable, PipelineClosed) as exc:
+        except StageUnavailable as exc:
+            if exc.retry_after is None:
+                raise ApiError(503, f"stage failed: {exc}", code="pipeline_failed") from None
+            raise ApiError(503, str(exc), code="stage_recovering",
+                           headers={"Retry-After": str(max(1, round(exc.retry_after)))}) from None
+        except PipelineClosed as exc:
             raise ApiError(503, f"stage failed: {exc}", code="pipeline_failed") from None
         except RequestCancelled as exc:
             raise ApiError(503, str(exc), code="cancelled") from None
