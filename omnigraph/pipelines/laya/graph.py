@@ -119,6 +119,12 @@ class DecisionGraphConfig:
     head_layers: int
     n_act: int
 
+    def __post_init__(self) -> None:
+        if self.head_layers < 1:
+            raise CheckpointInvalid(f"head_layers must be at least 1, got {self.head_layers}")
+        if self.n_act < 1:
+            raise CheckpointInvalid(f"act_costs gives {self.n_act} action outputs; at least 1 is needed")
+
     @classmethod
     def from_checkpoint(cls, checkpoint: Path) -> DecisionGraphConfig:
         agent = read_json(checkpoint / "rl_agent_config.json")
@@ -264,7 +270,10 @@ class Encoder(nn.Module):
 
 
 class HeadSelfAttention(nn.Module):
-    """`nn.MultiheadAttention`'s parameters (packed in_proj, out_proj), batch-first, no dropout."""
+    """`nn.MultiheadAttention`'s parameters (packed in_proj, out_proj), batch-first, no dropout.
+
+    Queries may come from fewer rows than keys and values (the last head layer's case).
+    """
 
     def __init__(self, d: int, num_heads: int) -> None:
         super().__init__()
@@ -273,11 +282,18 @@ class HeadSelfAttention(nn.Module):
         self.in_proj_bias = nn.Parameter(torch.empty(3 * d))
         self.out_proj = nn.Linear(d, d)
 
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        qkv = F.linear(x, self.in_proj_weight, self.in_proj_bias)
-        qkv = qkv.unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0] * (self.head_dim ** -0.5), qkv[1], qkv[2]
-        return self.out_proj(attention(q, k, v, bias).transpose(1, 2).flatten(2))
+    def forward(self, query: Tensor, context: Tensor, bias: Tensor) -> Tensor:
+        d = self.num_heads * self.head_dim
+        q = F.linear(query, self.in_proj_weight[:d], self.in_proj_bias[:d])
+        q = q.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2) * (self.head_dim ** -0.5)
+        kv = F.linear(context, self.in_proj_weight[d:], self.in_proj_bias[d:])
+        kv = kv.unflatten(-1, (2, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
+        return self.out_proj(attention(q, kv[0], kv[1], bias).transpose(1, 2).flatten(2))
+
+
+def gather_rows(x: Tensor, rows: Tensor) -> Tensor:
+    """x[b, rows[b, r]] for (B, L, d) x and (B, R) rows."""
+    return torch.gather(x, 1, rows[:, :, None].expand(-1, -1, x.shape[-1]))
 
 
 class HeadLayer(nn.Module):
@@ -291,8 +307,13 @@ class HeadLayer(nn.Module):
         self.norm1 = nn.LayerNorm(d, eps=HEAD_NORM_EPS)
         self.norm2 = nn.LayerNorm(d, eps=HEAD_NORM_EPS)
 
-    def forward(self, x: Tensor, bias: Tensor) -> Tensor:
-        x = x + self.self_attn(self.norm1(x), bias)
+    def forward(self, x: Tensor, bias: Tensor, rows: Tensor | None = None) -> Tensor:
+        """The layer's output at every position, or only at `rows` (B, R) when given."""
+        context = self.norm1(x)
+        query = context
+        if rows is not None:
+            x, query = gather_rows(x, rows), gather_rows(context, rows)
+        x = x + self.self_attn(query, context, bias)
         return x + self.linear2(F.relu(self.linear1(self.norm2(x))))
 
 
@@ -323,11 +344,15 @@ class DecisionGraph(nn.Module):
         h = h + self.type_emb(qtype)[:, None, :]
         key_bias = torch.where(key_visible, torch.zeros((), dtype=torch.float32),
                                torch.full((), _NEG, dtype=torch.float32))
-        for layer in self.head.layers:
+        # After the last head layer only CLS and the markers are read, so that layer computes
+        # queries, residual and feed-forward for those rows alone (keys and values: every row).
+        rows = torch.cat((torch.zeros_like(marker_pos[:, :1]), marker_pos.clamp(min=0)), dim=1)
+        *inner, last = self.head.layers
+        for layer in inner:
             h = layer(h, key_bias)
+        h = last(h, key_bias, rows)
 
-        index = marker_pos.clamp(min=0)[:, :, None].expand(-1, -1, h.shape[-1])
-        logits = self.scorer(torch.gather(h, 1, index)).squeeze(-1)
+        logits = self.scorer(h[:, 1:]).squeeze(-1)
         logits = logits.masked_fill(~marker_mask, MASKED_LOGIT)
 
         # The action head's confidence features, from the untempered softmax over every slot.
