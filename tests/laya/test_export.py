@@ -16,7 +16,7 @@ import pytest
 from omnigraph.bundles import BundleHashMismatch, verify_bundle
 from omnigraph.pipelines.laya import export
 from omnigraph.pipelines.laya.export import build_bundle, default_bundle
-from omnigraph.pipelines.laya.graph import CheckpointInvalid
+from omnigraph.pipelines.laya.graph import CheckpointInvalid, EncoderConfig
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -226,3 +226,32 @@ def test_default_bundle_is_built_once_into_the_cache(tmp_path, monkeypatch):
     stamp = os.stat(path / "manifest.json").st_mtime_ns
     assert default_bundle() == path
     assert os.stat(path / "manifest.json").st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("file, edit, message", [
+    ("encoder/config.json", lambda c: c.update(model_type="bert"), "model_type must be 'modernbert', got 'bert'"),
+    ("encoder/config.json", lambda c: c.update(hidden_activation="silu"), "hidden_activation 'silu' is not supported"),
+    ("encoder/config.json", lambda c: c.pop("hidden_size"), "missing key 'hidden_size'"),
+    ("rl_agent_config.json", lambda c: c.pop("head_layers"), "missing key 'head_layers'"),
+    ("rl_agent_config.json", lambda c: c.update(option_layout="parallel"), "option_layout 'parallel' is not supported"),
+    ("tokenizer/tokenizer_config.json", lambda c: c.update(mask_token="<mask>"), "mask_token '<mask>' is not in"),
+])
+def test_a_bad_checkpoint_config_is_named(laya_tiny_checkpoint, tmp_path, file, edit, message):
+    checkpoint = Path(shutil.copytree(laya_tiny_checkpoint, tmp_path / "checkpoint"))
+    config = json.loads((checkpoint / file).read_text())
+    edit(config)
+    (checkpoint / file).write_text(json.dumps(config))
+    with pytest.raises(CheckpointInvalid, match=message):
+        build_bundle(checkpoint, tmp_path / "out")
+    assert _no_leftovers(tmp_path / "out")
+
+
+def test_encoder_config_saved_by_transformers_5_reads_the_same(laya_tiny_checkpoint, tmp_path):
+    """A checkpoint re-saved by transformers 5 carries `rope_parameters` and `layer_types` instead."""
+    transformers = pytest.importorskip("transformers")
+    transformers.AutoConfig.from_pretrained(str(laya_tiny_checkpoint / "encoder")).save_pretrained(str(tmp_path))
+    resaved = json.loads((tmp_path / "config.json").read_text())
+    assert "rope_parameters" in resaved and "global_rope_theta" not in resaved
+    original = EncoderConfig.from_dict(json.loads((laya_tiny_checkpoint / "encoder" / "config.json").read_text()))
+    assert EncoderConfig.from_dict(resaved) == original
+    assert original.layer_types == ("full_attention", "sliding_attention", "sliding_attention", "full_attention")
