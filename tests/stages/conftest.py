@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import onnx
@@ -30,7 +31,9 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
 
     affine: y = 2x + 1 (x float32 [b, 4]); rename: y -> z = y - 1 (input named "y");
     slow: x [n, n] multiplied by itself 200 times (a call that runs for seconds at n = 1024);
-    bad_warmup: affine with int64 example inputs, so the worker's warmup fails.
+    bad_warmup: affine with int64 example inputs, so the worker's warmup fails;
+    rows: x [b, n] -> y [b, n] through 300 elementwise Mul/Add steps: every row is computed on its
+    own and exactly (IEEE, no reduction), and 32768 x 32 rows keep a worker busy for a while.
     """
     root = tmp_path_factory.mktemp("bundles")
     two, one = numpy_helper.from_array(np.float32(2), "two"), numpy_helper.from_array(np.float32(1), "one")
@@ -49,8 +52,16 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
         steps, "slow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", "n"])],
         [helper.make_tensor_value_info("h200", TensorProto.FLOAT, ["n", "n"])],
     )
+    steps = [helper.make_node("Mul" if i % 2 == 0 else "Add", ["x" if i == 0 else f"s{i}", "scale" if i % 2 == 0 else "shift"],
+                              [f"s{i + 1}"]) for i in range(300)]
+    rows = helper.make_graph(
+        steps, "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "n"])],
+        [helper.make_tensor_value_info("s300", TensorProto.FLOAT, ["b", "n"])],
+        initializer=[numpy_helper.from_array(np.float32(1.001), "scale"), numpy_helper.from_array(np.float32(-0.001), "shift")],
+    )
     x = np.ones((1, 4), np.float32)
     return {
+        "rows": _save_bundle(root / "rows", rows, {"x": np.ones((2, 3), np.float32)}),
         "affine": _save_bundle(root / "affine", affine, {"x": x}),
         "rename": _save_bundle(root / "rename", rename, {"y": x}),
         "slow": _save_bundle(root / "slow", slow, {"x": np.zeros((2, 2), np.float32)}),
@@ -141,3 +152,53 @@ def os_processes():
             return child_pids() - before
 
     return OsProcesses
+
+
+class EngineHelpers:
+    """Run one request through AsyncOmni, and poll the execution plan for a state."""
+
+    @staticmethod
+    async def first(omni, prompt, request_id, **kwargs):
+        """The first (only) output of one request through AsyncOmni."""
+        async for output in omni.generate(prompt, request_id=request_id, **kwargs):
+            return output
+
+    @staticmethod
+    def replicas(omni, stage: int = 0) -> list[dict[str, Any]]:
+        return omni.execution_plan["stages"][stage]["replicas"]
+
+    @staticmethod
+    async def until(condition: Callable[[], bool], what: str) -> None:
+        """Poll `condition` (every 5 ms, for up to 30 s) until it holds."""
+        for _ in range(6000):
+            if condition():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError(f"never happened: {what}")
+
+    @staticmethod
+    async def until_in_flight(omni, request_id: str, stage: int = 0) -> None:
+        """Wait until a replica of `stage` is running a call that serves `request_id`."""
+        await EngineHelpers.until(lambda: any(request_id in r["in_flight"] for r in EngineHelpers.replicas(omni, stage)),
+                                  f"{request_id} reached a worker")
+
+    @staticmethod
+    async def until_retired(omni, stage: int = 0) -> None:
+        """Wait until a replica of `stage` has retired and the OS confirmed its worker's exit."""
+        await EngineHelpers.until(
+            lambda: any(r["state"] == "retired" and r["exit_verified"] for r in EngineHelpers.replicas(omni, stage)),
+            "a replica retired")
+
+    @staticmethod
+    async def until_serving(omni, generation: int, stage: int = 0) -> None:
+        """Wait until every replica slot of `stage` serves, one of them at `generation` or later."""
+        def serving() -> bool:
+            slots = EngineHelpers.replicas(omni, stage)
+            return all(r["state"] == "serving" for r in slots) and max(r["generation"] for r in slots) >= generation
+
+        await EngineHelpers.until(serving, f"generation {generation} serving")
+
+
+@pytest.fixture
+def engine() -> type[EngineHelpers]:
+    return EngineHelpers

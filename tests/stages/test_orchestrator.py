@@ -21,44 +21,18 @@ from omnigraph.stages.errors import (
 from omnigraph.stages.orchestrator import Orchestrator
 from omnigraph.stages.runtime import StageRuntime
 
+
 BIG = {"tensors": {"x": np.zeros((1024, 1024), np.float32)}}   # a call that runs for many seconds
 MEDIUM = {"tensors": {"x": np.zeros((192, 192), np.float32)}}  # a call of a fraction of a second
 SMALL = {"tensors": {"x": np.ones((4, 4), np.float32)}}
 NO_RESTART = {"max_restarts": 0}  # a retired replica stays retired: later requests fail fast
 
 
-async def first(omni, prompt, request_id, **kwargs):
-    async for output in omni.generate(prompt, request_id=request_id, **kwargs):
-        return output
-
-
-async def until_in_flight(omni, request_id, stage=0):
-    """Wait (polling the execution plan) until a replica of `stage` is running `request_id`."""
-    for _ in range(2000):
-        if any(request_id in r["in_flight"] for r in omni.execution_plan["stages"][stage]["replicas"]):
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"{request_id} never reached a worker")
-
-
-def replicas(omni, stage=0):
-    return omni.execution_plan["stages"][stage]["replicas"]
-
-
-async def until_retired(omni, stage=0):
-    """Wait until a replica of `stage` has retired and the OS confirmed its worker's exit."""
-    for _ in range(2000):
-        if any(r["state"] == "retired" and r["exit_verified"] for r in replicas(omni, stage)):
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("no replica retired")
-
-
-def test_twenty_concurrent_requests_through_two_stages(make_plan):
+def test_twenty_concurrent_requests_through_two_stages(make_plan, engine):
     async def main():
         async with AsyncOmni(deploy_config=make_plan("affine", "rename", replicas=2)) as omni:
             inputs = [np.full((i % 3 + 1, 4), i, np.float32) for i in range(20)]
-            outputs = await asyncio.gather(*(first(omni, {"tensors": {"x": x}}, f"r{i}") for i, x in enumerate(inputs)))
+            outputs = await asyncio.gather(*(engine.first(omni, {"tensors": {"x": x}}, f"r{i}") for i, x in enumerate(inputs)))
             return inputs, outputs
 
     inputs, outputs = asyncio.run(main())
@@ -88,14 +62,14 @@ def test_handoff_is_checked_against_the_next_bundle(make_plan):
     assert output.error.startswith("HandoffInvalid: stage 1 input: inputs do not match the bundle: missing ['y'], unexpected ['h200']")
 
 
-def test_queue_full_is_refused_at_once(make_plan):
+def test_queue_full_is_refused_at_once(make_plan, engine):
     async def main():
         async with AsyncOmni(deploy_config=make_plan("slow", max_queued_requests=2)) as omni:
-            running = [asyncio.create_task(first(omni, BIG, "big")), asyncio.create_task(first(omni, SMALL, "queued"))]
-            await until_in_flight(omni, "big")
+            running = [asyncio.create_task(engine.first(omni, BIG, "big")), asyncio.create_task(engine.first(omni, SMALL, "queued"))]
+            await engine.until_in_flight(omni, "big")
             assert omni.queue_depth() == 2
             with pytest.raises(ResourceUnavailable, match="queue full: 2 requests admitted"):
-                await first(omni, SMALL, "refused")
+                await engine.first(omni, SMALL, "refused")
             await omni.abort(["queued", "big"])
             for task in running:
                 with pytest.raises(RequestCancelled):
@@ -105,39 +79,39 @@ def test_queue_full_is_refused_at_once(make_plan):
     asyncio.run(main())
 
 
-def test_cancelling_an_in_flight_call_retires_the_worker(make_plan, os_processes):
+def test_cancelling_an_in_flight_call_retires_the_worker(make_plan, os_processes, engine):
     async def main():
         async with AsyncOmni(deploy_config=make_plan("slow", capacity=1000, demand=300, restart=NO_RESTART)) as omni:
-            task = asyncio.create_task(first(omni, BIG, "doomed"))
-            await until_in_flight(omni, "doomed")
-            (replica,) = replicas(omni)
+            task = asyncio.create_task(engine.first(omni, BIG, "doomed"))
+            await engine.until_in_flight(omni, "doomed")
+            (replica,) = engine.replicas(omni)
             await omni.abort("doomed")
             with pytest.raises(RequestCancelled, match="doomed was aborted"):
                 await task
-            await until_retired(omni)  # the replica thread verifies the exit, then releases
-            (retired,) = replicas(omni)
+            await engine.until_retired(omni)  # the replica thread verifies the exit, then releases
+            (retired,) = engine.replicas(omni)
             assert retired["state"] == "retired" and "doomed cancelled during its call" in retired["retired_reason"]
             assert not os_processes.alive(replica["pid"])
             assert omni.ledger_snapshot()["reservations"] == []
             assert "replica 0 retired" in omni.health()[0] and omni.failure().startswith("stage 0:")
             with pytest.raises(StageUnavailable, match="stage 0 has no live replica .* recreate the pipeline"):
-                await first(omni, SMALL, "later")
+                await engine.first(omni, SMALL, "later")
 
     asyncio.run(main())
     assert os_processes.children() == set()
 
 
-def test_a_remaining_replica_keeps_serving(make_plan):
+def test_a_remaining_replica_keeps_serving(make_plan, engine):
     async def main():
         async with AsyncOmni(deploy_config=make_plan("slow", replicas=2, restart=NO_RESTART)) as omni:
-            task = asyncio.create_task(first(omni, BIG, "doomed"))
-            await until_in_flight(omni, "doomed")
+            task = asyncio.create_task(engine.first(omni, BIG, "doomed"))
+            await engine.until_in_flight(omni, "doomed")
             await omni.abort("doomed")
             with pytest.raises(RequestCancelled):
                 await task
-            await until_retired(omni)
-            outputs = [await first(omni, SMALL, f"after-{i}") for i in range(3)]
-            states = sorted(r["state"] for r in replicas(omni))
+            await engine.until_retired(omni)
+            outputs = [await engine.first(omni, SMALL, f"after-{i}") for i in range(3)]
+            states = sorted(r["state"] for r in engine.replicas(omni))
             return outputs, states, omni.health()
 
     outputs, states, health = asyncio.run(main())
@@ -145,48 +119,48 @@ def test_a_remaining_replica_keeps_serving(make_plan):
     assert all(o.custom_output["h200"].shape == (4, 4) for o in outputs)
 
 
-def test_a_queued_request_leaves_without_dispatch(make_plan):
+def test_a_queued_request_leaves_without_dispatch(make_plan, engine):
     async def main():
         async with AsyncOmni(deploy_config=make_plan("slow")) as omni:
-            running = asyncio.create_task(first(omni, MEDIUM, "running"))
-            await until_in_flight(omni, "running")
-            queued = asyncio.create_task(first(omni, SMALL, "queued"))
+            running = asyncio.create_task(engine.first(omni, MEDIUM, "running"))
+            await engine.until_in_flight(omni, "running")
+            queued = asyncio.create_task(engine.first(omni, SMALL, "queued"))
             await asyncio.sleep(0)  # let it be admitted
             await omni.abort("queued")
             with pytest.raises(RequestCancelled):
                 await queued
             assert (await running).custom_output["h200"].shape == (192, 192)
-            (replica,) = replicas(omni)
+            (replica,) = engine.replicas(omni)
             return replica
 
     replica = asyncio.run(main())
     assert replica["state"] == "serving" and replica["calls"] == 1  # "queued" never reached the worker
 
 
-def test_deadline_passing_in_the_queue_fails_without_dispatch(make_plan):
+def test_deadline_passing_in_the_queue_fails_without_dispatch(make_plan, engine):
     async def main():
         async with AsyncOmni(deploy_config=make_plan("slow")) as omni:
-            running = asyncio.create_task(first(omni, MEDIUM, "running"))
-            await until_in_flight(omni, "running")
+            running = asyncio.create_task(engine.first(omni, MEDIUM, "running"))
+            await engine.until_in_flight(omni, "running")
             with pytest.raises(DeadlineExceeded, match="deadline passed while queued for stage 0"):
-                await first(omni, SMALL, "late", deadline_s=0.001)
+                await engine.first(omni, SMALL, "late", deadline_s=0.001)
             await running
-            return replicas(omni)[0]
+            return engine.replicas(omni)[0]
 
     replica = asyncio.run(main())
     assert replica["state"] == "serving" and replica["calls"] == 1
 
 
-def test_cancelling_the_consumer_aborts_the_request(make_plan):
+def test_cancelling_the_consumer_aborts_the_request(make_plan, engine):
     async def main():
         async with AsyncOmni(deploy_config=make_plan("slow", replicas=2, restart=NO_RESTART)) as omni:
-            task = asyncio.create_task(first(omni, BIG, "gone"))
-            await until_in_flight(omni, "gone")
+            task = asyncio.create_task(engine.first(omni, BIG, "gone"))
+            await engine.until_in_flight(omni, "gone")
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
-            await until_retired(omni)
-            return [r["state"] for r in replicas(omni)], omni.queue_depth()
+            await engine.until_retired(omni)
+            return [r["state"] for r in engine.replicas(omni)], omni.queue_depth()
 
     states, depth = asyncio.run(main())
     assert sorted(states) == ["retired", "serving"] and depth == 0
@@ -200,14 +174,14 @@ def test_omni_batches_beyond_the_admission_bound(make_plan):
     assert all(np.array_equal(o.custom_output["y"], 2 * x + 1) for o, x in zip(outputs, inputs))
 
 
-def test_a_deadline_inside_a_call_retires_that_worker_only(make_plan):
+def test_a_deadline_inside_a_call_retires_that_worker_only(make_plan, engine):
     async def main():
         async with AsyncOmni(deploy_config=make_plan("slow", replicas=2, capacity=100, demand=10, restart=NO_RESTART)) as omni:
             with pytest.raises(DeadlineExceeded, match="deadline passed inside stage 0"):
-                await first(omni, BIG, "late", deadline_s=0.5)
-            await until_retired(omni)
-            after = await first(omni, SMALL, "after")
-            return after, sorted(r["state"] for r in replicas(omni)), omni.ledger_snapshot()
+                await engine.first(omni, BIG, "late", deadline_s=0.5)
+            await engine.until_retired(omni)
+            after = await engine.first(omni, SMALL, "after")
+            return after, sorted(r["state"] for r in engine.replicas(omni)), omni.ledger_snapshot()
 
     after, states, ledger = asyncio.run(main())
     assert after.custom_output["h200"].shape == (4, 4)
@@ -215,17 +189,17 @@ def test_a_deadline_inside_a_call_retires_that_worker_only(make_plan):
     assert ledger["constraints"]["machine:ram"] == {"capacity": 100, "held": 10, "quarantined": 0, "free": 90}
 
 
-def test_shutdown_with_a_call_in_flight(make_plan, os_processes):
+def test_shutdown_with_a_call_in_flight(make_plan, os_processes, engine):
     async def main():
         omni = AsyncOmni(deploy_config=make_plan("slow", capacity=100, demand=10))
-        task = asyncio.create_task(first(omni, BIG, "in-flight"))
-        await until_in_flight(omni, "in-flight")
+        task = asyncio.create_task(engine.first(omni, BIG, "in-flight"))
+        await engine.until_in_flight(omni, "in-flight")
         await asyncio.to_thread(omni.shutdown)
         with pytest.raises(PipelineClosed):
             await task
         with pytest.raises(PipelineClosed):
-            await first(omni, SMALL, "too-late")
-        return omni.ledger_snapshot(), replicas(omni)[0]
+            await engine.first(omni, SMALL, "too-late")
+        return omni.ledger_snapshot(), engine.replicas(omni)[0]
 
     ledger, replica = asyncio.run(main())
     assert ledger["reservations"] == [] and ledger["constraints"]["machine:ram"]["free"] == 100
@@ -234,9 +208,9 @@ def test_shutdown_with_a_call_in_flight(make_plan, os_processes):
     assert replica["retired_reason"] == "request in-flight in flight at shutdown" and replica["exit_verified"]
 
 
-def test_a_worker_killed_from_outside_fails_its_stage_fast(make_plan, os_processes):
+def test_a_worker_killed_from_outside_fails_its_stage_fast(make_plan, os_processes, engine):
     with Omni(deploy_config=make_plan("affine", restart=NO_RESTART)) as omni:
-        (replica,) = replicas(omni)
+        (replica,) = engine.replicas(omni)
         os.kill(replica["pid"], signal.SIGKILL)
         (failed,) = omni.generate(SMALL)
         assert failed.error.startswith("StageUnavailable: stage 0 replica 0 failed during request")
@@ -278,16 +252,16 @@ def test_several_work_items_per_request_come_back_in_order(make_plan):
         runtime.shutdown()
 
 
-def test_a_result_holds_its_slot_until_acknowledged(make_plan):
+def test_a_result_holds_its_slot_until_acknowledged(make_plan, engine):
     async def main():
         async with AsyncOmni(deploy_config=make_plan("affine", max_queued_requests=1)) as omni:
             generator = omni.generate(SMALL, request_id="held")
             output = await generator.__anext__()
             with pytest.raises(ResourceUnavailable):
-                await first(omni, SMALL, "second")
+                await engine.first(omni, SMALL, "second")
             output.release_stage_buffers()  # a direct user acknowledges; the generator would on advancing
             assert omni.queue_depth() == 0
             await generator.aclose()
-            return await first(omni, SMALL, "third")
+            return await engine.first(omni, SMALL, "third")
 
     assert asyncio.run(main()).request_id == "third"

@@ -1,0 +1,117 @@
+"""A retired replica is replaced by a new worker generation, within the stage's restart budget."""
+
+import asyncio
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from omnigraph import AsyncOmni, Omni
+from omnigraph.bundles import verify_bundle
+from omnigraph.stages.errors import RequestCancelled, StageUnavailable
+from omnigraph.stages.restarts import RestartBudget
+
+
+BIG = {"tensors": {"x": np.zeros((1024, 1024), np.float32)}}  # a call that runs for many seconds
+SMALL = {"tensors": {"x": np.ones((4, 4), np.float32)}}
+X = {"tensors": {"x": np.ones((2, 4), np.float32)}}
+
+
+def owners(ledger):
+    return sorted((r["owner"], r["state"], tuple(r["demands"].items())) for r in ledger["reservations"])
+
+
+def test_a_call_cancelled_in_flight_is_followed_by_a_new_generation(make_plan, os_processes, engine):
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("slow", capacity=1000, demand=300)) as omni:
+            before = owners(omni.ledger_snapshot())
+            task = asyncio.create_task(engine.first(omni, BIG, "doomed"))
+            await engine.until_in_flight(omni, "doomed")
+            (old,) = engine.replicas(omni)
+            await omni.abort("doomed")
+            with pytest.raises(RequestCancelled):
+                await task
+            # no replica is live until the replacement is up: requests fail at once, never wait
+            with pytest.raises(StageUnavailable, match="a replacement is starting") as refused:
+                await engine.first(omni, SMALL, "too-early")
+            assert refused.value.retry_after == 1.0 and omni.health() == {}
+            await engine.until_serving(omni, generation=2)
+            answer = await engine.first(omni, SMALL, "after")
+            (new,) = engine.replicas(omni)
+            return old, new, answer, before, omni.ledger_snapshot(), omni.execution_plan["stages"][0]["restart"]
+
+    old, new, answer, before, ledger, restart = asyncio.run(main())
+    assert not os_processes.alive(old["pid"])
+    assert new["pid"] != old["pid"] and new["generation"] > old["generation"] and new["restarts"] == 1
+    assert new["calls"] == 1 and answer.custom_output["h200"].shape == (4, 4)
+    assert owners(ledger) == before == [("stage0/replica0", "held", (("machine:ram", 300),))]
+    assert ledger["constraints"]["machine:ram"] == {"capacity": 1000, "held": 300, "quarantined": 0, "free": 700}
+    assert restart == {"max_restarts": 5, "window_s": 60.0, "restarts": 1, "replacing": []}
+    assert os_processes.children() == set()
+
+
+def test_a_spent_restart_budget_fails_the_stage_for_good(make_plan, os_processes, engine):
+    async def main():
+        plan = make_plan("affine", capacity=100, demand=10, restart={"max_restarts": 1, "window_s": 3600})
+        async with AsyncOmni(deploy_config=plan) as omni:
+            for round_ in range(2):
+                (replica,) = engine.replicas(omni)
+                os.kill(replica["pid"], signal.SIGKILL)
+                with pytest.raises(StageUnavailable, match="WorkerDied"):
+                    await engine.first(omni, X, f"finds-it-dead-{round_}")
+                if round_ == 0:
+                    await engine.until_serving(omni, generation=2)
+                    assert (await engine.first(omni, X, "replaced")).custom_output["y"].shape == (2, 4)
+            with pytest.raises(StageUnavailable, match="recreate the pipeline") as refused:
+                await engine.first(omni, X, "after")
+            return refused.value, omni.health(), omni.ledger_snapshot()
+
+    refused, health, ledger = asyncio.run(main())
+    assert refused.retry_after is None
+    assert "replica 0 retired" in health[0] and "restart budget of 1 restarts per 3600 s spent" in health[0]
+    assert ledger["reservations"] == []
+    assert os_processes.children() == set()
+
+
+def test_a_replacement_failing_warmup_gives_back_what_it_took(make_plan, bundles, os_processes, engine):
+    plan = make_plan("affine", capacity=100, demand=10, restart={"max_restarts": 2, "window_s": 3600})
+    with Omni(deploy_config=plan) as omni:
+        stage = omni.runtime.stages[0]
+        stage.bundle = verify_bundle(bundles["bad_warmup"])  # from now on, a new worker's warmup fails
+        os.kill(engine.replicas(omni)[0]["pid"], signal.SIGKILL)
+        (failed,) = omni.generate(X)
+        assert failed.error.startswith("StageUnavailable")
+        asyncio.run(engine.until(lambda: omni.health() != {}, "the stage failed for good"))
+        described = omni.execution_plan["stages"][0]
+        ledger = omni.ledger_snapshot()
+        children = os_processes.children()
+    assert "replacement of replica 0 failed" in described["failure"] and "load and warmup refused" in described["failure"]
+    assert described["restart"]["restarts"] == 2 and described["restart"]["replacing"] == []
+    assert ledger["reservations"] == [] and ledger["constraints"]["machine:ram"]["free"] == 100
+    assert children == set()
+
+
+def test_shutdown_during_a_replacement_start_leaves_nothing(make_plan, os_processes, engine):
+    async def main():
+        omni = AsyncOmni(deploy_config=make_plan("affine", capacity=100, demand=10))
+        os.kill(engine.replicas(omni)[0]["pid"], signal.SIGKILL)
+        with pytest.raises(StageUnavailable):
+            await engine.first(omni, X, "finds-it-dead")
+        await engine.until(lambda: omni.execution_plan["stages"][0]["restart"]["replacing"] == [0], "a replacement started")
+        await asyncio.to_thread(omni.shutdown)
+        return omni.ledger_snapshot()
+
+    ledger = asyncio.run(main())
+    assert ledger["reservations"] == [] and ledger["constraints"]["machine:ram"]["free"] == 100
+    assert os_processes.children() == set()
+
+
+def test_the_restart_budget_is_a_sliding_window():
+    budget = RestartBudget(max_restarts=2, window_s=10)
+    assert budget.spend(now=0) and budget.spend(now=5)
+    assert not budget.spend(now=9.9)  # two starts within the last 10 s already
+    assert budget.spend(now=10)        # the first one left the window
+    assert budget.spent == 3 and not RestartBudget(0, 1).spend(now=0)
+    with pytest.raises(ValueError):
+        RestartBudget(-1, 10)
