@@ -32,7 +32,7 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
     affine: y = 2x + 1 (x float32 [b, 4]); rename: y -> z = y - 1 (input named "y");
     slow: x [n, n] multiplied by itself 200 times (a call that runs for seconds at n = 1024);
     bad_warmup: affine with int64 example inputs, so the worker's warmup fails;
-    rows: x [b, n] -> y [b, n] through 300 elementwise Mul/Add steps: every row is computed on its
+    rows: x [b, n] -> y [b, n] through 2000 elementwise Mul/Add steps: every row is computed on its
     own and exactly (IEEE, no reduction), and 32768 x 32 rows keep a worker busy for a while.
     """
     root = tmp_path_factory.mktemp("bundles")
@@ -53,10 +53,10 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
         [helper.make_tensor_value_info("h200", TensorProto.FLOAT, ["n", "n"])],
     )
     steps = [helper.make_node("Mul" if i % 2 == 0 else "Add", ["x" if i == 0 else f"s{i}", "scale" if i % 2 == 0 else "shift"],
-                              [f"s{i + 1}"]) for i in range(300)]
+                              [f"s{i + 1}"]) for i in range(2000)]
     rows = helper.make_graph(
         steps, "rows", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", "n"])],
-        [helper.make_tensor_value_info("s300", TensorProto.FLOAT, ["b", "n"])],
+        [helper.make_tensor_value_info("s2000", TensorProto.FLOAT, ["b", "n"])],
         initializer=[numpy_helper.from_array(np.float32(1.001), "scale"), numpy_helper.from_array(np.float32(-0.001), "shift")],
     )
     x = np.ones((1, 4), np.float32)
