@@ -35,6 +35,8 @@ def test_graph_pipelines_must_be_linear(stages, message):
 
 
 def test_stage_fields_are_validated_once():
+    with pytest.raises(PipelineConfigError, match="max_batch_rows must be an int >= 1, got 0"):
+        StagePipelineConfig(stage_id=0, model_stage="x", max_batch_rows=0)
     with pytest.raises(PipelineConfigError, match="execution_type 'gpu'"):
         stage(0, kind="gpu")
     with pytest.raises(PipelineConfigError, match="final_output_type"):

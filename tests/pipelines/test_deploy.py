@@ -43,6 +43,17 @@ def test_relative_manifest_resolves_against_the_yaml(tmp_path, bundle_dir):
     assert stage.backend.route.ep == "cpu" and stage.num_replicas == 1
     assert plan.max_queued_requests == 32
     assert resolve_pipeline(plan).model_type == "laya"
+    # defaults: retired replicas are replaced (5 per minute); batching is what the pipeline declares
+    assert (stage.restart.max_restarts, stage.restart.window_s) == (5, 60.0)
+    assert stage.batching.max_batch_rows is None and stage.batching.batch_wait_us == 0
+
+
+def test_restart_and_batching_keys(tmp_path, bundle_dir):
+    text = PLAN.replace("        resource_budget:", "        restart: {max_restarts: 0, window_s: 30}\n"
+                        "        batching: {max_batch_rows: 16, batch_wait_us: 200}\n        resource_budget:")
+    stage = load_deploy_config(write(tmp_path, "plan.yaml", text)).stage(0)
+    assert (stage.restart.max_restarts, stage.restart.window_s) == (0, 30.0)
+    assert (stage.batching.max_batch_rows, stage.batching.batch_wait_us) == (16, 200)
 
 
 @pytest.mark.parametrize("old, new, path", [
@@ -52,6 +63,12 @@ def test_relative_manifest_resolves_against_the_yaml(tmp_path, bundle_dir):
     ("bundles/head/manifest.json", "bundles/missing", "stages[0].backend.manifest: no such bundle"),
     ("name: external.graph.v1", "name: external.graph.v2", "stages[0].backend.name:"),
     ("pipeline: laya", "pipelin: laya", "pipeline: required key is missing"),
+    ("        resource_budget:", "        restart: {max_restarts: -1}\n        resource_budget:", "stages[0].restart.max_restarts:"),
+    ("        resource_budget:", "        restart: {window_s: 0}\n        resource_budget:", "stages[0].restart.window_s:"),
+    ("        resource_budget:", "        batching: {max_batch_rows: 0}\n        resource_budget:", "stages[0].batching.max_batch_rows:"),
+    ("        resource_budget:", "        batching: {batch_wait_us: 1000000}\n        resource_budget:",
+     "stages[0].batching.batch_wait_us:"),
+    ("        resource_budget:", "        batching: {max_rows: 4}\n        resource_budget:", "stages[0].batching.max_rows: unknown key"),
 ])
 def test_typos_name_the_yaml_path(tmp_path, bundle_dir, old, new, path):
     with pytest.raises(DeployConfigError) as error:
@@ -110,6 +127,10 @@ def test_inline_declaration_for_unregistered_pipelines(tmp_path, bundle_dir):
     pipeline = resolve_pipeline(load_deploy_config(write(tmp_path, "plan.yaml", INLINE)))
     assert pipeline.model_type == "inline-chain" and pipeline.stage_order == (0, 1)
     assert pipeline.processor is None
+    assert [s.max_batch_rows for s in pipeline.stages] == [1, 1]  # batching is off unless declared
+    batched = INLINE.replace("final_output: true", "final_output: true\n        batching: {max_batch_rows: 8}")
+    pipeline = resolve_pipeline(load_deploy_config(write(tmp_path, "batched.yaml", batched)))
+    assert pipeline.stage(1).max_batch_rows == 8
 
 
 def test_inline_fan_out_is_refused_before_loading(tmp_path, bundle_dir):
