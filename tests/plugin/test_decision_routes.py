@@ -32,6 +32,7 @@ def test_readme_refund_example_is_a_well_formed_answer(demo_server):
     assert 0.0 <= refund["action"]["act_probability"] <= 1.0
     assert body["usage"]["input_tokens"] > 0 and body["usage"]["output_tokens"] == 0
     assert AUDIT_KEYS <= body["audit"].keys()
+    assert body["audit"]["input_tokens"] == {"refund": body["usage"]["input_tokens"]}
     assert body["audit"]["backend"].startswith("onnxruntime ") and "CPUExecutionProvider" in body["audit"]["backend"]
 
 
