@@ -13,7 +13,10 @@ import argparse
 import datetime
 import json
 import platform
+import os
+import select
 import shlex
+import socket
 import sys
 import tempfile
 import time
@@ -26,6 +29,7 @@ import onnxruntime as ort
 
 from omnigraph.bundles import pack_bundle
 from omnigraph.workers.client import WorkerClient
+from omnigraph.workers import wire
 from omnigraph.workers.route import WorkerRoute
 from omnigraph.workers.wire import SHM_THRESHOLD_BYTES
 
@@ -52,6 +56,56 @@ def timings_us(call, iterations: int) -> np.ndarray:
         call()
         samples[i] = (time.perf_counter_ns() - start) / 1000.0
     return samples
+
+
+def socket_floor_us(nbytes: int, iterations: int) -> np.ndarray:
+    """A bare echo of ``nbytes`` between two processes over a Unix socket pair: what the machine
+    charges for any round trip before a byte of framing (the floor under the worker's overhead)."""
+    ours, theirs = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the echo process
+        ours.close()
+        while data := theirs.recv(1 << 20):
+            theirs.sendall(data)
+        os._exit(0)
+    theirs.close()
+    ours.setblocking(False)
+    message = bytes(nbytes)
+
+    def round_trip() -> None:  # send and receive together: the echo cannot buffer 64 MB
+        view, sent, received = memoryview(message), 0, 0
+        while received < nbytes:
+            readable, writable, _ = select.select([ours], [ours] if sent < nbytes else [], [])
+            if writable:
+                sent += ours.send(view[sent:])
+            if readable:
+                received += len(ours.recv(1 << 20))
+
+    try:
+        return timings_us(round_trip, iterations)
+    finally:
+        ours.close()
+        os.waitpid(pid, 0)
+
+
+def codec_cpu_us(nbytes: int, iterations: int) -> tuple[float, float]:
+    """CPU time (this thread) to encode and to decode one run frame of one ``nbytes`` tensor."""
+    sender, receiver = socket.socketpair()
+    tensors = {"x": np.ones(nbytes // 4, np.float32)}
+    encode = decode = 0
+    try:
+        for _ in range(iterations):
+            start = time.thread_time_ns()
+            wire.send_frame(sender, "run", request_id="bench", epoch=1, generation=1, instance="0" * 32,
+                            tensors=tensors, max_payload_bytes=2 * nbytes)
+            middle = time.thread_time_ns()
+            wire.recv_message(receiver, max_payload_bytes=2 * nbytes)
+            encode += middle - start
+            decode += time.thread_time_ns() - middle
+    finally:
+        sender.close()
+        receiver.close()
+    return encode / iterations / 1000.0, decode / iterations / 1000.0
 
 
 def cpu_name() -> str:
@@ -88,7 +142,15 @@ def main() -> int:
             x = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
             feed = {"x": x}
             local = timings_us(lambda: session.run(None, feed), iterations)
-            for metric, value in {"in_process_median": np.median(local), "in_process_p99": np.percentile(local, 99)}.items():
+            floor = socket_floor_us(nbytes, iterations)
+            measured = {
+                "in_process_median": np.median(local),
+                "in_process_p99": np.percentile(local, 99),
+                "socket_echo_floor_median": np.median(floor),
+            }
+            if nbytes <= 64 * 1024:  # one thread sends and receives: the frame must fit the socket buffer
+                measured["codec_encode_cpu"], measured["codec_decode_cpu"] = codec_cpu_us(nbytes, iterations)
+            for metric, value in measured.items():
                 rows.append({"case": case, "path": "in_process", "metric": metric, "value": round(float(value), 1),
                              "unit": "us", "iterations": iterations, **identity})
             for path, threshold in (("inline", 2 * nbytes), ("shm", 1)):
