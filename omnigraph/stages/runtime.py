@@ -120,7 +120,7 @@ class GraphStage:
         if self.failure is not None:
             raise StageUnavailable(f"stage {self.stage_id} has no live replica ({self.failure}); recreate the pipeline")
         if not any(r.serving for r in self.replicas):
-            raise StageUnavailable(f"stage {self.stage_id} has no live replica: a replacement is starting",
+            raise StageUnavailable(f"stage {self.stage_id} has no live replica: one is retiring or a replacement is starting",
                                    retry_after=REPLACEMENT_RETRY_AFTER_S)
 
     def replica_retired(self, replica: GraphStageClient) -> None:
@@ -178,12 +178,15 @@ class GraphStage:
                 logger.warning("stage %d: replacement of replica %d failed: %s", self.stage_id, slot, exc)
                 with self._lock:
                     self._launches.remove(launched)
-                    if not self._closing and self.restart_budget.spend():
+                    if self._closing:  # killed by the shutdown: nothing to report
+                        self._replacing.discard(slot)
+                        return
+                    if self.restart_budget.spend():
                         restarts += 1
                         continue
                     self._replacing.discard(slot)
-                    self._fail_if_dead_locked(f"replacement of replica {slot} failed: {exc}" + (
-                        "" if self._closing else f" (restart budget of {self.restart_budget.describe()} spent)"))
+                    self._fail_if_dead_locked(f"replacement of replica {slot} failed: {exc} "
+                                              f"(restart budget of {self.restart_budget.describe()} spent)")
                 return
             with self._lock:
                 self._launches.remove(launched)
@@ -226,6 +229,8 @@ class GraphStage:
             replica.close(timeout)
 
     def describe(self) -> dict[str, Any]:
+        with self._lock:
+            replicas, replacing = list(self.replicas), sorted(self._replacing)
         return {
             "stage_id": self.stage_id,
             "model_stage": self.config.model_stage,
@@ -238,12 +243,12 @@ class GraphStage:
                 "component": self.bundle.manifest.component,
             },
             "num_replicas": self.deploy.num_replicas,
-            "live_replicas": sum(r.serving for r in self.replicas),
+            "live_replicas": sum(r.serving for r in replicas),
             "failure": self.failure,
             "batching": {"max_batch_rows": self.queue.max_batch_rows, "batch_wait_us": self.deploy.batching.batch_wait_us},
             "restart": {"max_restarts": self.restart_budget.max_restarts, "window_s": self.restart_budget.window_s,
-                        "restarts": self.restart_budget.spent, "replacing": sorted(self._replacing)},
-            "replicas": [r.describe() for r in self.replicas],
+                        "restarts": self.restart_budget.spent, "replacing": replacing},
+            "replicas": [r.describe() for r in replicas],
         }
 
 
