@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from omnigraph.workers.route import WorkerRoute
 
 EXIT_VERIFY_TIMEOUT_S = 10.0
+# Why: a replacement worker starts and warms up within seconds; clients retry after about this long.
+REPLACEMENT_RETRY_AFTER_S = 1.0
 # A worker refusing one request (bad input, an ORT error) stays usable; these codes say so.
 _REQUEST_LEVEL_CODES = frozenset({
     "input_name_mismatch", "input_dtype_mismatch", "input_rank_mismatch", "input_shape_mismatch", "run_failed",
@@ -143,7 +145,8 @@ class GraphStageClient:
         if self.retired_reason is not None:
             return
         self.retired_reason = reason
-        self.stage.replica_retired(self)
+        if self.stage.replica_retired(self) and isinstance(error, StageUnavailable):
+            error.retry_after = REPLACEMENT_RETRY_AFTER_S  # another replica serves, or a replacement comes
         for item in failed:
             item.fail(error)  # type: ignore[arg-type]
         if self.reservation is not None:

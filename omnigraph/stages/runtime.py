@@ -30,7 +30,7 @@ from omnigraph.pipelines.deploy import DeployConfig, StageDeployConfig
 from omnigraph.pipelines.registry import resolve_dotted
 from omnigraph.stages.batching import STOP, StageQueue, batch_axis_problem
 from omnigraph.stages.errors import StageStartupError, StageUnavailable
-from omnigraph.stages.graph_client import GraphStageClient
+from omnigraph.stages.graph_client import REPLACEMENT_RETRY_AFTER_S, GraphStageClient
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.stages.restarts import RestartBudget
@@ -40,8 +40,6 @@ from omnigraph.workers.route import WorkerRoute
 
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
-# Why: a replacement worker starts and warms up within seconds; clients retry after about this long.
-REPLACEMENT_RETRY_AFTER_S = 1.0
 logger = logging.getLogger("omnigraph.stages")
 Launched = list[tuple[WorkerClient, Reservation]]
 # (stage, slot, restarts, launched) -> a started replica for the slot (StageRuntime._start_replacement)
@@ -123,9 +121,10 @@ class GraphStage:
             raise StageUnavailable(f"stage {self.stage_id} has no live replica: one is retiring or a replacement is starting",
                                    retry_after=REPLACEMENT_RETRY_AFTER_S)
 
-    def replica_retired(self, replica: GraphStageClient) -> None:
+    def replica_retired(self, replica: GraphStageClient) -> bool:
         """Called by a retiring replica: decide (budget permitting) to replace it; while no replica
-        is live, everything queued here fails at once."""
+        is live, everything queued here fails at once. True while the stage can still serve (a
+        live replica, or one on its way), so a retry is worth it."""
         with self._lock:
             reason = f"replica {replica.replica} retired: {replica.retired_reason}"
             if not self._closing and self.failure is None:
@@ -134,6 +133,7 @@ class GraphStage:
                 else:
                     reason += f" (restart budget of {self.restart_budget.describe()} spent)"
             self._fail_if_dead_locked(reason)
+            return self.failure is None
 
     def replica_exited(self, replica: GraphStageClient) -> None:
         """Called once the retired replica's worker is gone (or its exit could not be verified)."""

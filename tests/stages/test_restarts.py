@@ -58,8 +58,10 @@ def test_a_spent_restart_budget_fails_the_stage_for_good(make_plan, os_processes
             for round_ in range(2):
                 (replica,) = engine.replicas(omni)
                 os.kill(replica["pid"], signal.SIGKILL)
-                with pytest.raises(StageUnavailable, match="WorkerDied"):
+                with pytest.raises(StageUnavailable, match="WorkerDied") as died:
                     await engine.first(omni, X, f"finds-it-dead-{round_}")
+                # worth a retry while a replacement may follow; not once the budget is spent
+                assert died.value.retry_after == (1.0 if round_ == 0 else None)
                 if round_ == 0:
                     await engine.until_serving(omni, generation=2)
                     assert (await engine.first(omni, X, "replaced")).custom_output["y"].shape == (2, 4)
