@@ -305,6 +305,8 @@ def export_onnx(module: DecisionGraph, inputs: dict[str, np.ndarray], graph_path
                 output_names=list(OUTPUT_NAMES),
                 dynamic_axes=DYNAMIC_AXES,
                 opset_version=OPSET,
+                # Unfolded, initializers keep the checkpoint's parameter names (store_weights_as and
+                # fast_graph select by them); ONNX Runtime folds the weight transposes at load.
                 do_constant_folding=False,
                 dynamo=False,
             )
