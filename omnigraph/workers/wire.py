@@ -25,9 +25,22 @@ Header fields (all required)::
 
 Tensor descriptor: ``{"name", "dtype", "shape", "nbytes"}`` plus exactly one of ``"offset"``
 (inline: byte offset into the payload) or ``"fd"`` (shared memory: index of the file descriptor
-passed with the frame). ``nbytes`` must equal prod(shape) * itemsize.
+passed with the frame). ``nbytes`` must equal prod(shape) * itemsize. The payload holds exactly the
+inline extents: its length is the sum of the inline tensors' nbytes, each rounded up to 64.
 
-Shared memory: a tensor of at least SHM_THRESHOLD_BYTES (64 MiB) goes in an anonymous memory file
+Messages (controller -> worker, then the worker's answer; any request may be answered by ``error``
+with body ``{"code", "message"}``, plus ``"report"`` (a placement report) for placement_refused)::
+
+    (on connect)                      hello  {interpreter, versions, providers, pid, start time,
+                                             instance, wire_version, features}
+    load   {manifest_path}         -> loaded {the LoadReport}
+    run    tensors: the inputs     -> result tensors: the outputs
+    stats  {}                      -> stats_result {rss_bytes, peak_rss_bytes, counters, ...}
+    fence  (epoch in the header)   -> no answer: the worker refuses lower epochs from then on
+    close  {}                      -> closing, then the worker exits 0
+
+Shared memory: a tensor of at least the sender's threshold (SHM_THRESHOLD_BYTES, 128 MiB, unless
+the route's ``shm_threshold_bytes`` says otherwise) goes in an anonymous memory file
 (``memfd_create``) whose descriptor travels with the frame as SCM_RIGHTS ancillary data on the Unix
 socket (feature ``"shm_fd"``). Ownership: the sender creates the file, writes the tensor, sends the
 descriptor and closes its own copy right after ``sendmsg`` (also on error); the receiver maps it
@@ -101,10 +114,11 @@ MAX_NAME_CHARS = 256
 # numpy's allocator (16-byte aligned), so every array view is aligned for its dtype.
 TENSOR_ALIGNMENT = 64
 # Why: on the project's machines (a Firecracker VM, a gVisor GPU host) mapping fresh memory-file
-# pages costs more than the two socket copies of an inline tensor at every size measured up to
-# 64 MiB (2.5-4x; benchmarks/wire.py and its results); memory files stay for the largest tensors,
-# where they keep a full-size copy out of the kernel's socket buffers.
-SHM_THRESHOLD_BYTES = 64 * 1024 * 1024
+# pages costs 2.5-5x the two socket copies of an inline tensor at every size measured, 4 KB to
+# 64 MB (benchmarks/results/wire-*.json), so inline is the default far beyond any stage's I/O;
+# memory files take over past 128 MiB, where an inline frame would hold that much again in the
+# kernel's socket buffers. A route can lower it (WorkerRoute.shm_threshold_bytes).
+SHM_THRESHOLD_BYTES = 128 * 1024 * 1024
 # Why: bounds the ancillary buffer; one fd per large tensor.
 MAX_FDS = MAX_TENSORS
 # Why: a frame's integers must survive a round trip through any JSON reader (int64 range).

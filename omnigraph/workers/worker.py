@@ -18,12 +18,12 @@ previous session (if any) still loaded.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import secrets
 import socket
 import sys
-import time
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -42,8 +42,6 @@ EXIT_WIRE_DESYNC = 3  # a frame broke the wire before its length could be truste
 
 def _device_memory(device_id: int) -> dict[str, int] | None:
     """cudaMemGetInfo of the route's device, when a CUDA runtime is loadable (else None)."""
-    import ctypes
-
     for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
         try:
             cudart = ctypes.CDLL(name)
