@@ -18,7 +18,7 @@ Header fields (all required)::
     stage_id           int >= 0
     epoch              int >= 0: the cancellation epoch; stale epochs are refused
     generation         int >= 0: the worker generation the controller started
-    instance           str: the worker process's random id announced in its hello ("" in hello)
+    instance           str: the worker process's random id (announced in its hello, which carries it)
     features_required  list of str: the receiver refuses a frame naming a feature it lacks
     tensors            list of descriptors (below)
     body               JSON object: the message's non-tensor content
