@@ -59,6 +59,7 @@ def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle,
 
     reference = ort.InferenceSession(str(affine_bundle.graph_path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(1)
+    descriptors_before = len(os.listdir("/proc/self/fd"))
     for call in range(1000):
         n = int(rng.integers(1, 9))
         inputs = affine_inputs(n, 16, seed=call)
@@ -69,6 +70,8 @@ def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle,
         assert got.keys() == expected.keys()
         for name in expected:
             np.testing.assert_array_equal(got[name], expected[name])
+    del got
+    assert len(os.listdir("/proc/self/fd")) == descriptors_before  # no shared-memory descriptor leaked
     stats = client.stats()
     assert stats["runs"] == 1000 and stats["failed_runs"] == 0 and stats["rss_bytes"] > 0
     assert stats["manifest_sha256"] == affine_bundle.manifest_sha256
@@ -177,6 +180,8 @@ def test_a_worker_killed_mid_call_raises_worker_died(start_worker, slow_bundle):
     assert client.wait_exit(1.0)
     with pytest.raises(WorkerDied):
         client.run({"x": np.ones((1, 1024), np.float32)}, request_id="after", stage_id=0, epoch=0)
+    private_dir = client._private_dir
+    assert client.close() == -signal.SIGKILL and not private_dir.exists()
 
 
 def test_a_timed_out_call_retires_the_worker(start_worker, slow_bundle):
