@@ -4,10 +4,14 @@ It computes exactly what `laya.common.DecisionModel.forward` computes for the se
 layout (ModernBERT encoder -> type embedding -> 2 pre-norm head layers -> scorer on the `[MASK]`
 markers -> action head on CLS), but is shaped for an inference graph rather than for training:
 
-- the RoPE cos/sin tables (one per theta) and both attention biases (global: key padding; local:
-  key padding and the |i - j| <= local_attention // 2 window) are computed once per call, not
-  once per layer;
-- attention is plain MatMul / Softmax with the 1/sqrt(head_dim) scale folded into the queries;
+- the RoPE tables (one pair per theta, the 1/sqrt(head_dim) scale folded into the queries' half)
+  and both attention masks are computed once per call, not once per layer;
+- queries and keys are rotated together, with `rotate_half` as one reversed slice, and the fused
+  projections are cut with one Split each: fewer, larger nodes;
+- local layers attend block-banded (`LocalWindows`): each block of queries scores only the keys
+  its window can reach, so their attention costs O(L * window) instead of O(L^2); for short
+  sequences the window covers every key and this is dense attention again;
+- attention is plain MatMul / Softmax (no fused kernel), which every execution provider runs;
 - parameters keep the checkpoint's names and every module's nodes its scope (`/encoder/layers.3/...`)
   in the exported graph, which is what `fast_graph.substitute_encoder` rewrites.
 
@@ -162,9 +166,48 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
     return torch.softmax(q @ k.transpose(-1, -2) + bias, dim=-1) @ v
 
 
+@dataclass(frozen=True)
+class LocalWindows:
+    """A local layer's attention as blocks: queries in blocks of `block` rows, each block scoring
+    the `width` consecutive keys that hold its whole window (|i - j| <= window half-width).
+
+    `key_index` (N, width) lists each block's keys (all inside 0..L-1: windows at the edges are
+    shifted inwards, not padded); `bias` (B, 1, N, block, width) is 0 where the key is both in the
+    query's window and a real token, and the most negative float32 elsewhere. When L <= block + 2 *
+    half-width, width is L and every block scores every key.
+    """
+
+    key_index: Tensor
+    bias: Tensor
+
+    @classmethod
+    def build(cls, key_visible: Tensor, half_width: int) -> LocalWindows:
+        """From (B, L) key visibility; the block is the half-width, so a window spans 3 blocks."""
+        block = half_width
+        length = torch.as_tensor(key_visible.shape[1])
+        blocks = (length + block - 1) // block
+        width = length.clamp(max=block + 2 * half_width)
+        first_key = (torch.arange(blocks) * block - half_width).clamp(min=0).minimum(length - width)
+        key_index = first_key[:, None] + torch.arange(width)[None, :]                    # (N, width)
+        query_pos = torch.arange(blocks * block).unflatten(0, (blocks, block))          # (N, block)
+        near = (key_index[:, None, :] - query_pos[:, :, None]).abs() <= half_width      # (N, block, width)
+        visible = near & key_visible[:, key_index][:, :, None, :]                         # (B, N, block, width)
+        return cls(key_index=key_index, bias=torch.where(visible, 0.0, _NEG)[:, None])
+
+
+def windowed_attention(q: Tensor, k: Tensor, v: Tensor, windows: LocalWindows) -> Tensor:
+    """`attention` for a local layer, block by block; (B, H, L, Dh) in and out."""
+    length = q.shape[2]
+    blocks, block = windows.bias.shape[2], windows.bias.shape[3]
+    q = F.pad(q, (0, 0, 0, blocks * block - length)).unflatten(2, (blocks, block))
+    keys, values = k[:, :, windows.key_index], v[:, :, windows.key_index]           # (B, H, N, width, Dh)
+    context = torch.softmax(q @ keys.transpose(-1, -2) + windows.bias, dim=-1) @ values
+    return context.flatten(2, 3)[:, :, :length]
+
+
 def rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    """(x1, x2) -> (x2, x1) on the last dimension's halves; the sign lives in the sin table."""
+    return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
 
 
 class BiasFreeLayerNorm(nn.Module):
@@ -196,12 +239,19 @@ class EncoderAttention(nn.Module):
         self.Wqkv = nn.Linear(config.hidden_size, 3 * config.hidden_size, bias=False)
         self.Wo = nn.Linear(config.hidden_size, config.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor) -> Tensor:
-        qkv = self.Wqkv(x).unflatten(-1, (3, self.num_heads, self.head_dim)).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv[0], qkv[1], qkv[2]
-        q = (q * cos + rotate_half(q) * sin) * (self.head_dim ** -0.5)
-        k = k * cos + rotate_half(k) * sin
-        return self.Wo(attention(q, k, v, bias).transpose(1, 2).flatten(2))
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | LocalWindows) -> Tensor:
+        """`cos` / `sin` (L, 2, 1, Dh) rotate queries (scaled) and keys at once; `mask` is a global
+        layer's (B, 1, 1, L) bias or a local layer's windows."""
+        d = self.num_heads * self.head_dim
+        qk, v = self.Wqkv(x).split((2 * d, d), dim=-1)
+        qk = qk.unflatten(-1, (2, self.num_heads, self.head_dim))                       # (B, L, 2, H, Dh)
+        q, k = (qk * cos + rotate_half(qk) * sin).permute(2, 0, 3, 1, 4).unbind(0)
+        v = v.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
+        if isinstance(mask, LocalWindows):
+            context = windowed_attention(q, k, v, mask)
+        else:
+            context = attention(q, k, v, mask)
+        return self.Wo(context.transpose(1, 2).flatten(2))
 
 
 class EncoderMLP(nn.Module):
@@ -213,7 +263,7 @@ class EncoderMLP(nn.Module):
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        hidden, gate = self.Wi(x).chunk(2, dim=-1)
+        hidden, gate = self.Wi(x).split(self.Wo.in_features, dim=-1)
         return self.Wo(F.gelu(hidden) * gate)
 
 
@@ -227,8 +277,8 @@ class EncoderLayer(nn.Module):
         self.mlp = EncoderMLP(config)
         self.layer_type = config.layer_types[index]
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, bias: Tensor) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, bias)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | LocalWindows) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -247,25 +297,25 @@ class Encoder(nn.Module):
             self.register_buffer(f"{name}_inv_freq", 1.0 / (theta ** exponents), persistent=False)
 
     def rope_tables(self, positions: Tensor, layer_type: str) -> tuple[Tensor, Tensor]:
-        """cos and sin of shape (L, head_dim) for one theta."""
+        """cos and signed sin of shape (L, 2, 1, head_dim) for queries (times 1/sqrt(head_dim)) and
+        keys: rope(x) = x * cos + rotate_half(x) * sin."""
         freqs = positions.float()[:, None] * getattr(self, f"{layer_type}_inv_freq")[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return angles.cos(), angles.sin()
+        cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs, freqs), dim=-1).sin()
+        scale = torch.tensor([self.config.head_dim ** -0.5, 1.0])[None, :, None, None]
+        return cos[:, None, None, :] * scale, sin[:, None, None, :] * scale
 
     def forward(self, input_ids: Tensor, key_visible: Tensor) -> Tensor:
+        """`key_visible` (B, L) is True for real tokens."""
         positions = torch.arange(input_ids.shape[1], device=input_ids.device)
-        near = (positions[:, None] - positions[None, :]).abs() <= self.config.sliding_window
-        zero = torch.zeros((), dtype=torch.float32)
-        neg = torch.full((), _NEG, dtype=torch.float32)
-        biases = {
-            GLOBAL: torch.where(key_visible, zero, neg),           # (B, 1, 1, L)
-            LOCAL: torch.where(key_visible & near, zero, neg),    # (B, 1, L, L)
+        masks = {
+            GLOBAL: torch.where(key_visible, 0.0, _NEG)[:, None, None, :],                # (B, 1, 1, L)
+            LOCAL: LocalWindows.build(key_visible, self.config.sliding_window),
         }
         tables = {layer_type: self.rope_tables(positions, layer_type) for layer_type in (GLOBAL, LOCAL)}
         x = self.embeddings(input_ids)
         for layer in self.layers:
             cos, sin = tables[layer.layer_type]
-            x = layer(x, cos, sin, biases[layer.layer_type])
+            x = layer(x, cos, sin, masks[layer.layer_type])
         return self.final_norm(x)
 
 
@@ -339,11 +389,10 @@ class DecisionGraph(nn.Module):
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor, marker_pos: Tensor, marker_mask: Tensor,
                 qtype: Tensor) -> tuple[Tensor, Tensor]:
-        key_visible = (attention_mask != 0)[:, None, None, :]
+        key_visible = attention_mask != 0
         h = self.encoder(input_ids, key_visible)
         h = h + self.type_emb(qtype)[:, None, :]
-        key_bias = torch.where(key_visible, torch.zeros((), dtype=torch.float32),
-                               torch.full((), _NEG, dtype=torch.float32))
+        key_bias = torch.where(key_visible, 0.0, _NEG)[:, None, None, :]
         # After the last head layer only CLS and the markers are read, so that layer computes
         # queries, residual and feed-forward for those rows alone (keys and values: every row).
         rows = torch.cat((torch.zeros_like(marker_pos[:, :1]), marker_pos.clamp(min=0)), dim=1)
