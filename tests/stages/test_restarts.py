@@ -97,10 +97,13 @@ def test_a_replacement_failing_warmup_gives_back_what_it_took(make_plan, bundles
 def test_shutdown_during_a_replacement_start_leaves_nothing(make_plan, os_processes, engine):
     async def main():
         omni = AsyncOmni(deploy_config=make_plan("affine", capacity=100, demand=10))
-        os.kill(engine.replicas(omni)[0]["pid"], signal.SIGKILL)
+        old = engine.replicas(omni)[0]["pid"]
+        os.kill(old, signal.SIGKILL)
         with pytest.raises(StageUnavailable):
             await engine.first(omni, X, "finds-it-dead")
-        await engine.until(lambda: omni.execution_plan["stages"][0]["restart"]["replacing"] == [0], "a replacement started")
+        # the replacement's worker process exists: it is starting, loading or warming up
+        await engine.until(lambda: os_processes.children() - {old}, "the replacement worker exists")
+        assert omni.execution_plan["stages"][0]["restart"]["replacing"] == [0]
         await asyncio.to_thread(omni.shutdown)
         return omni.ledger_snapshot()
 
