@@ -12,7 +12,6 @@ from omnigraph.pipelines.deploy import resolve_pipeline
 from omnigraph.pipelines.processor import PreparedRequest, RequestInvalid, RequestTooLarge
 from omnigraph.stages.errors import (
     DeadlineExceeded,
-    HandoffInvalid,
     PipelineClosed,
     RequestCancelled,
     ResourceUnavailable,
