@@ -17,6 +17,7 @@ from typing import Any
 from omnigraph.bundles.errors import BundleError, BundleFileMissing, ManifestInvalid
 from omnigraph.bundles.hashing import is_sha256_hex
 from omnigraph.bundles.paths import MANIFEST_NAME, check_member_name
+from omnigraph.bundles.strict_json import loads_strict
 
 SCHEMA_VERSION = 1
 PRECISIONS = ("fp32", "fp16", "bf16")
@@ -172,7 +173,7 @@ def parse_manifest(data: bytes, *, source: str) -> Manifest:
     """Parse manifest.json bytes; errors start with `source` (the manifest's path)."""
     try:
         text = data.decode("utf-8")
-        document = json.loads(text, object_pairs_hook=_refuse_duplicate_keys, parse_constant=_refuse_constant)
+        document = loads_strict(text)
     except ValueError as exc:  # also UnicodeDecodeError and JSONDecodeError
         raise ManifestInvalid(f"{source}: not valid JSON: {exc}") from None
     try:
@@ -218,16 +219,3 @@ def _json_object_copy(value: object, field: str) -> dict[str, Any]:
         return json.loads(json.dumps(value, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise ManifestInvalid(f"{field} is not plain JSON: {exc}") from None
-
-
-def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not a JSON number")

@@ -8,11 +8,12 @@ so a typo in a fixture cannot silently turn a check into a no-op.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from omnigraph.bundles.strict_json import loads_strict
 
 SUITES_ROOT = Path(__file__).resolve().parent
 GROUP_NAMES = ("wire", "manifest", "ledger", "placement", "decision")
@@ -85,11 +86,7 @@ def load_suite(name: str = "v1") -> Suite:
 def load_group(path: Path) -> Group:
     """Read one group file: {"group", "description", "setup"?, "cases": [{"id", "description", "send", "expect"}]}."""
     try:
-        data = json.loads(
-            path.read_text(encoding="utf-8"),
-            object_pairs_hook=_refuse_duplicate_keys,
-            parse_constant=_refuse_constant,
-        )
+        data = loads_strict(path.read_text(encoding="utf-8"))
     except (ValueError, OSError) as exc:
         raise FixtureInvalid(f"{path}: {exc}") from None
     top = _exact(data, f"{path}", required=("group", "description", "cases"), optional=("setup",))
@@ -123,16 +120,3 @@ def _exact(data: object, where: str, *, required: tuple[str, ...], optional: tup
     if missing or unknown:
         raise FixtureInvalid(f"{where}: missing keys {missing}, unknown keys {unknown}")
     return data
-
-
-def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ValueError(f"duplicate key {key!r}")
-        result[key] = value
-    return result
-
-
-def _refuse_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")

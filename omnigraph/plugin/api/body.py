@@ -8,9 +8,10 @@ counted while it is read: `Content-Length` is only a claim (and absent under chu
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, AsyncIterator
+
+from omnigraph.bundles.strict_json import loads_strict
 
 MAX_BODY_BYTES = 4 * 1024 * 1024
 
@@ -60,19 +61,6 @@ async def read_capped(chunks: AsyncIterator[bytes], content_length: str | None,
     return bytes(received)
 
 
-def _refuse_constant(name: str) -> Any:
-    raise BodyError(400, f"request body contains {name}, which is not valid JSON", "invalid_json")
-
-
-def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise BodyError(400, f"request body repeats the key {key!r} in one object", "invalid_json")
-        result[key] = value
-    return result
-
-
 def _find_lone_surrogate(value: Any) -> bool:
     """Walk the parsed value with an explicit stack (JSON nests deeper than Python recursion)."""
     stack = [value]
@@ -96,9 +84,7 @@ def parse_strict_json(raw: bytes) -> Any:
     except UnicodeDecodeError as exc:
         raise BodyError(400, f"request body is not valid UTF-8 (byte {exc.start})", "invalid_utf8") from None
     try:
-        value = json.loads(text, parse_constant=_refuse_constant, object_pairs_hook=_refuse_duplicate_keys)
-    except BodyError:
-        raise
+        value = loads_strict(text)
     except RecursionError:
         raise BodyError(400, "request body nests too deeply", "invalid_json") from None
     except ValueError as exc:
