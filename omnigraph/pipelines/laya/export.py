@@ -56,7 +56,7 @@ from omnigraph.pipelines.laya.synth import cache_root, cached_checkpoint
 
 COMPONENT = "laya.decision"
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
-EXPORTER_VERSION = 2
+EXPORTER_VERSION = 3
 OPSET = 17
 PRECISIONS = ("fp32", "fp16", "bf16")
 INPUT_NAMES = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")

@@ -6,8 +6,9 @@ markers -> action head on CLS), but is shaped for an inference graph rather than
 
 - the RoPE tables (one pair per theta, the 1/sqrt(head_dim) scale folded into the queries' half)
   and both attention masks are computed once per call, not once per layer;
-- queries and keys are rotated together, with `rotate_half` as one reversed slice, and the fused
-  projections are cut with one Split each: fewer, larger nodes;
+- queries and keys are rotated together, with `rotate_half` as one reversed slice; the fused
+  projections (Wqkv, Wi) run as MatMuls on row slices of their weights, so no output is copied
+  apart: fewer, larger nodes;
 - local layers attend block-banded (`LocalWindows`): each block of queries scores only the keys
   its window can reach, so their attention costs O(L * window) instead of O(L^2); for short
   sequences the window covers every key and this is dense attention again;
@@ -184,7 +185,7 @@ class LocalWindows:
     def build(cls, key_visible: Tensor, half_width: int) -> LocalWindows:
         """From (B, L) key visibility; the block is the half-width, so a window spans 3 blocks."""
         block = half_width
-        length = torch.as_tensor(key_visible.shape[1])
+        length = torch.ones_like(key_visible[0], dtype=torch.int64).sum()  # L as a tensor, also when traced
         blocks = (length + block - 1) // block
         width = length.clamp(max=block + 2 * half_width)
         first_key = (torch.arange(blocks) * block - half_width).clamp(min=0).minimum(length - width)
@@ -243,8 +244,10 @@ class EncoderAttention(nn.Module):
         """`cos` / `sin` (L, 2, 1, Dh) rotate queries (scaled) and keys at once; `mask` is a global
         layer's (B, 1, 1, L) bias or a local layer's windows."""
         d = self.num_heads * self.head_dim
-        qk, v = self.Wqkv(x).split((2 * d, d), dim=-1)
-        qk = qk.unflatten(-1, (2, self.num_heads, self.head_dim))                       # (B, L, 2, H, Dh)
+        # Two MatMuls on row slices of Wqkv (folded into two initializers at session load) rather
+        # than one whose output is then copied apart.
+        qk = F.linear(x, self.Wqkv.weight[:2 * d]).unflatten(-1, (2, self.num_heads, self.head_dim))
+        v = F.linear(x, self.Wqkv.weight[2 * d:])
         q, k = (qk * cos + rotate_half(qk) * sin).permute(2, 0, 3, 1, 4).unbind(0)
         v = v.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)
         if isinstance(mask, LocalWindows):
@@ -263,7 +266,8 @@ class EncoderMLP(nn.Module):
         self.Wo = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        hidden, gate = self.Wi(x).split(self.Wo.in_features, dim=-1)
+        width = self.Wo.in_features
+        hidden, gate = F.linear(x, self.Wi.weight[:width]), F.linear(x, self.Wi.weight[width:])
         return self.Wo(F.gelu(hidden) * gate)
 
 
@@ -301,8 +305,9 @@ class Encoder(nn.Module):
         keys: rope(x) = x * cos + rotate_half(x) * sin."""
         freqs = positions.float()[:, None] * getattr(self, f"{layer_type}_inv_freq")[None, :]
         cos, sin = torch.cat((freqs, freqs), dim=-1).cos(), torch.cat((-freqs, freqs), dim=-1).sin()
-        scale = torch.tensor([self.config.head_dim ** -0.5, 1.0])[None, :, None, None]
-        return cos[:, None, None, :] * scale, sin[:, None, None, :] * scale
+        scale = self.config.head_dim ** -0.5
+        return (torch.stack((cos * scale, cos), dim=1)[:, :, None, :],
+                torch.stack((sin * scale, sin), dim=1)[:, :, None, :])
 
     def forward(self, input_ids: Tensor, key_visible: Tensor) -> Tensor:
         """`key_visible` (B, L) is True for real tokens."""
