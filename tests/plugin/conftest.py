@@ -143,16 +143,19 @@ def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProc
 
 @pytest.fixture
 def demo_deploy_config(tmp_path: Path) -> Callable[..., Path]:
-    """Write a deploy YAML serving the demo bundle on the CPU route, with `max_queued_requests`."""
+    """Write a deploy YAML serving the demo bundle on the CPU route, with `max_queued_requests`
+    and, when given, a restart budget of `max_restarts` replacements a minute."""
     from omnigraph.pipelines.laya.export import default_bundle
 
-    def write(max_queued_requests: int) -> Path:
-        path = tmp_path / f"deploy-q{max_queued_requests}.yaml"
+    def write(max_queued_requests: int, max_restarts: int | None = None) -> Path:
+        path = tmp_path / f"deploy-q{max_queued_requests}-r{max_restarts}.yaml"
+        restart = "" if max_restarts is None else f"    restart: {{max_restarts: {max_restarts}, window_s: 60}}\n"
         path.write_text(
             "pipeline: laya\n"
             f"max_queued_requests: {max_queued_requests}\n"
             "stages:\n"
             "  - stage_id: 0\n"
+            + restart +
             "    backend:\n"
             "      name: external.graph.v1\n"
             f"      manifest: {default_bundle() / 'manifest.json'}\n"

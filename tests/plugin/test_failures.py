@@ -92,8 +92,8 @@ def test_a_request_past_its_deadline_is_504(start_server):
     _wait_for(lambda: server.metric("omnigraph_queue_depth") == 0)
 
 
-def test_a_dead_stage_turns_health_to_503_and_requests_fail_fast(start_server):
-    server = start_server()
+def test_a_dead_stage_without_restarts_turns_health_to_503_and_requests_fail_fast(start_server, demo_deploy_config):
+    server = start_server("--deploy-config", str(demo_deploy_config(32, max_restarts=0)))
     server.signal_workers(signal.SIGKILL)
     started = time.monotonic()
     response = _decide(server)
@@ -104,6 +104,24 @@ def test_a_dead_stage_turns_health_to_503_and_requests_fail_fast(start_server):
     later = _decide(server)
     assert later.status_code == 503 and "stage" in later.json()["detail"]
     assert time.monotonic() - started < 20
+
+
+def test_a_killed_worker_is_replaced_and_the_server_recovers(start_server):
+    server = start_server()
+    (killed,) = server.signal_workers(signal.SIGKILL)
+    statuses = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        response = _decide(server)
+        statuses.append(response.status_code)
+        if response.status_code == 200:
+            break
+        assert response.status_code == 503, response.text  # failing fast while the replacement starts
+        assert "Retry-After" in response.headers
+        time.sleep(0.2)
+    assert statuses[-1] == 200, statuses
+    assert killed not in server.worker_pids() and len(server.worker_pids()) == 1
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_a_pipeline_that_cannot_start_stops_the_server_with_the_reason(start_server, tmp_path):
