@@ -16,7 +16,7 @@ import pytest
 from omnigraph.bundles import BundleHashMismatch, verify_bundle
 from omnigraph.pipelines.laya import export
 from omnigraph.pipelines.laya.export import build_bundle, default_bundle
-from omnigraph.pipelines.laya.graph import CheckpointInvalid, EncoderConfig
+from omnigraph.pipelines.laya.graph import CheckpointInvalid, EncoderConfig, LocalWindows, attention, windowed_attention
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -255,3 +255,22 @@ def test_encoder_config_saved_by_transformers_5_reads_the_same(laya_tiny_checkpo
     original = EncoderConfig.from_dict(json.loads((laya_tiny_checkpoint / "encoder" / "config.json").read_text()))
     assert EncoderConfig.from_dict(resaved) == original
     assert original.layer_types == ("full_attention", "sliding_attention", "sliding_attention", "full_attention")
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 23, 24, 25, 40, 61])
+def test_windowed_attention_is_dense_attention_under_the_window_mask(length):
+    """Local layers attend block by block; every real token gets what the dense |i - j| <= w mask gives."""
+    half_width = 8
+    generator = torch.Generator().manual_seed(length)
+    q, k, v = (torch.randn(2, 3, length, 4, generator=generator) for _ in range(3))
+    key_visible = torch.ones(2, length, dtype=torch.bool)
+    key_visible[1, max(1, 2 * length // 3):] = False                      # a shorter, padded row
+    positions = torch.arange(length)
+    near = (positions[:, None] - positions[None, :]).abs() <= half_width
+    dense_bias = torch.where(near & key_visible[:, None, None, :], 0.0, torch.finfo(torch.float32).min)
+    windows = LocalWindows.build(key_visible, half_width)
+    assert windows.key_index.shape[1] == min(length, 3 * half_width)       # keys scored per query block
+    actual, expected = windowed_attention(q, k, v, windows), attention(q, k, v, dense_bias)
+    assert actual.shape == expected.shape
+    real = key_visible[:, None, :, None].expand_as(expected)               # padding rows are never read
+    torch.testing.assert_close(actual[real], expected[real], rtol=0, atol=1e-6)

@@ -68,6 +68,8 @@ class EncoderConfig:
             raise CheckpointInvalid(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_heads}")
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - {GLOBAL, LOCAL}:
             raise CheckpointInvalid(f"layer_types must name {self.num_layers} layers as {GLOBAL!r} or {LOCAL!r}")
+        if LOCAL in self.layer_types and self.local_attention < 2:
+            raise CheckpointInvalid(f"local_attention must be at least 2 for {LOCAL!r} layers, got {self.local_attention}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise CheckpointInvalid(f"pad_token_id {self.pad_token_id} is outside the vocabulary ({self.vocab_size})")
 
@@ -169,8 +171,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class LocalWindows:
-    """A local layer's attention as blocks: queries in blocks of `block` rows, each block scoring
-    the `width` consecutive keys that hold its whole window (|i - j| <= window half-width).
+    """A local layer's attention as blocks: N blocks of queries (half-width rows each, the last
+    one padded), each scoring only the `width` consecutive keys that hold its rows' windows
+    (|i - j| <= half-width), so the cost is O(L * half-width) instead of O(L^2).
 
     `key_index` (N, width) lists each block's keys (all inside 0..L-1: windows at the edges are
     shifted inwards, not padded); `bias` (B, 1, N, block, width) is 0 where the key is both in the
