@@ -67,6 +67,9 @@ def test_a_spent_restart_budget_fails_the_stage_for_good(make_plan, os_processes
                     assert (await engine.first(omni, X, "replaced")).custom_output["y"].shape == (2, 4)
             with pytest.raises(StageUnavailable, match="recreate the pipeline") as refused:
                 await engine.first(omni, X, "after")
+            # the dead worker's reservation stays quarantined until the OS confirms its exit
+            await engine.until(lambda: omni.ledger_snapshot()["reservations"] == [],
+                               "the retired worker's reservation released")
             return refused.value, omni.health(), omni.ledger_snapshot()
 
     refused, health, ledger = asyncio.run(main())
