@@ -46,8 +46,9 @@ def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         print(log_path.read_text(errors="replace")[-2000:])
 
 
-def test_v1_decision_group_passes_against_omnigraph_serve(server_url: str) -> None:
+def test_v1_decision_group_passes_against_omnigraph_serve(server_url: str, conformance_reports) -> None:
     report = run_suite("v1", server_url)  # the runner waits for GET /ready first
+    conformance_reports.append(report)
     print(report.format_table())
     assert report.ok, report.format_table()
     counts = report.counts()

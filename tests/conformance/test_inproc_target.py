@@ -23,8 +23,9 @@ def _lenient_worker_module():
     return module
 
 
-def test_v1_passes_in_process() -> None:
+def test_v1_passes_in_process(conformance_reports) -> None:
     report = run_suite("v1", "inproc")
+    conformance_reports.append(report)
     print(report.format_table())
     assert report.ok, report.format_table()
     counts = report.counts()

@@ -17,8 +17,9 @@ pytestmark = pytest.mark.slow
 OUR_WORKER = f"worker:{shlex.quote(sys.executable)} -m omnigraph.workers.worker"
 
 
-def test_v1_passes_against_our_own_worker() -> None:
+def test_v1_passes_against_our_own_worker(conformance_reports) -> None:
     report = run_suite("v1", OUR_WORKER)
+    conformance_reports.append(report)
     print(report.format_table())
     assert report.ok, report.format_table()
     counts = report.counts()
