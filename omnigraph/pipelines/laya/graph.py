@@ -176,8 +176,8 @@ class LocalWindows:
     (|i - j| <= half-width), so the cost is O(L * half-width) instead of O(L^2).
 
     `key_index` (N, width) lists each block's keys (all inside 0..L-1: windows at the edges are
-    shifted inwards, not padded); `bias` (B, 1, N, block, width) is 0 where the key is both in the
-    query's window and a real token, and the most negative float32 elsewhere. When L <= block + 2 *
+    shifted inwards, not padded); `bias` (B, 1, N, half-width, width) is 0 where the key is both in
+    the query's window and a real token, and the most negative float32 elsewhere. When L <= 3 *
     half-width, width is L and every block scores every key.
     """
 
