@@ -85,14 +85,11 @@ def _free_port() -> int:
 
 def _bundle_for(size: str) -> tuple[Path, Path]:
     """The synthetic checkpoint of `size` and its fp32 bundle, both built once into the cache."""
-    from omnigraph.pipelines.laya.export import build_bundle
-    from omnigraph.pipelines.laya.synth import cache_root, cached_checkpoint
+    from omnigraph.pipelines.laya.export import cached_bundle
+    from omnigraph.pipelines.laya.synth import cached_checkpoint
 
     checkpoint = cached_checkpoint(size)
-    bundle = cache_root() / "bundles" / f"laya-{size}-fp32-bench-{checkpoint.name}"
-    if not bundle.is_dir():
-        build_bundle(checkpoint, bundle)
-    return checkpoint, bundle
+    return checkpoint, cached_bundle(checkpoint)
 
 
 @contextmanager

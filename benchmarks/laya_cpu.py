@@ -75,14 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     import laya
 
     from omnigraph import Omni
-    from omnigraph.pipelines.laya.export import build_bundle
-    from omnigraph.pipelines.laya.synth import cache_root, cached_checkpoint
+    from omnigraph.pipelines.laya.export import cached_bundle
+    from omnigraph.pipelines.laya.synth import cached_checkpoint
 
     harness = _harness()
     checkpoint = cached_checkpoint(args.size, seed=args.seed)
-    bundle = cache_root() / "bundles" / f"laya-{args.size}-fp32-bench-{checkpoint.name}"
-    if not bundle.is_dir():
-        build_bundle(checkpoint, bundle)
+    bundle = cached_bundle(checkpoint)
     lengths = harness.build_requests(checkpoint, tuple(args.lengths))
     agent = laya.load(str(checkpoint), device="cpu")
     identity = {

@@ -45,7 +45,6 @@ import asyncio
 import copy
 import datetime
 import gc
-import hashlib
 import importlib.metadata
 import itertools
 import json
@@ -489,27 +488,16 @@ def resolve_bundle(run: Run, name: str, checkpoint: Path) -> Path:
         if not (path / "manifest.json").is_file():
             raise CaseSkipped(f"--bundle {name}={path} has no manifest.json (did its build fail? see the log)")
         return path
-    import onnx
-    import torch
+    from omnigraph.pipelines.laya.export import cached_bundle
 
-    from omnigraph.pipelines.laya.export import EXPORTER_VERSION, build_bundle
-    from omnigraph.pipelines.laya.synth import cache_root
-
-    key = hashlib.sha256(json.dumps(
-        {"checkpoint": str(checkpoint.resolve()), "bundle": BUNDLES[name], "exporter": EXPORTER_VERSION,
-         "torch": torch.__version__, "onnx": onnx.__version__}, sort_keys=True).encode()).hexdigest()[:16]
-    out = cache_root() / "bundles" / f"laya-bench-{name}-{key}"
-    if not out.is_dir():
-        started = time.perf_counter()
-        try:
-            build_bundle(checkpoint, out, **BUNDLES[name])
-        except FileExistsError:
-            if not out.is_dir():  # not a concurrent builder that finished first
-                raise
-        except Exception as error:
-            run.bundle_failures[name] = f"the {name} bundle cannot be built: {_describe(error)}"
-            raise CaseSkipped(run.bundle_failures[name]) from error
-        run.add(f"bundle {name}", "build_s", round(time.perf_counter() - started, 3), "s")
+    started = time.perf_counter()
+    try:
+        out = cached_bundle(checkpoint, **BUNDLES[name])
+    except Exception as error:
+        run.bundle_failures[name] = f"the {name} bundle cannot be built: {_describe(error)}"
+        raise CaseSkipped(run.bundle_failures[name]) from error
+    run.add(f"bundle {name}", "build_s", round(time.perf_counter() - started, 3), "s",
+            detail="seconds to build it, or to find it in the cache")
     return out
 
 

@@ -171,20 +171,30 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
     return verify_bundle(out)
 
 
-def default_bundle() -> Path:
-    """The embedded demo: the tiny synthetic checkpoint as an fp32 bundle, built once into the cache."""
-    checkpoint = cached_checkpoint("tiny")
+def cached_bundle(checkpoint: Path, *, precision: str = "fp32", fast: bool = False) -> Path:
+    """The bundle of `checkpoint` at this precision, built once into the cache.
+
+    Keyed by the checkpoint folder, the variant and everything that shapes the export (exporter
+    version, torch and onnx), so a new exporter never serves a bundle an older one built.
+    """
     key = hashlib.sha256(json.dumps(
-        {"checkpoint": checkpoint.name, "precision": "fp32", "exporter": EXPORTER_VERSION,
-         "torch": torch.__version__, "onnx": onnx.__version__}, sort_keys=True).encode()).hexdigest()[:16]
-    out = cache_root() / "bundles" / f"laya-tiny-fp32-{key}"
+        {"checkpoint": str(Path(checkpoint).resolve()), "precision": precision, "fast": fast,
+         "exporter": EXPORTER_VERSION, "torch": torch.__version__, "onnx": onnx.__version__},
+        sort_keys=True).encode()).hexdigest()[:16]
+    variant = f"{precision}-fast" if fast else precision
+    out = cache_root() / "bundles" / f"{Path(checkpoint).name}-{variant}-{key}"
     if not out.is_dir():
         try:
-            build_bundle(checkpoint, out)
+            build_bundle(Path(checkpoint), out, precision=precision, fast=fast)
         except FileExistsError:
             if not out.is_dir():  # not a concurrent builder that finished first
                 raise
     return out
+
+
+def default_bundle() -> Path:
+    """The embedded demo: the tiny synthetic checkpoint as an fp32 bundle, built once into the cache."""
+    return cached_bundle(cached_checkpoint("tiny"))
 
 
 def _fast_graph() -> Any:
