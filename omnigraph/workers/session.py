@@ -72,6 +72,9 @@ class GraphSession:
                     f"graph output {spec.name!r} is bfloat16, which onnxruntime's Python binding cannot return; cast it to float in the graph",
                 )
         self._input_wire = {spec.name: ONNX_TO_WIRE[spec.onnx_type] for spec in self.inputs}
+        # (name, wire dtype, declared shape) per input: what check_inputs walks on every call
+        self._input_checks = tuple((spec.name, self._input_wire[spec.name], spec.shape) for spec in self.inputs)
+        self._bfloat16_inputs = "bfloat16" in self._input_wire.values()
         self._output_names = [spec.name for spec in self.outputs]
         self._on_cuda = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
         self._cuda_graph_slots: dict[tuple[tuple[int, ...], ...], _CudaGraphSlot] = {}
@@ -86,24 +89,28 @@ class GraphSession:
     def check_inputs(self, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> None:
         """Refuse inputs that differ from the graph's declared names, dtypes, ranks, static dims."""
         declared = self._input_wire
-        missing = sorted(declared.keys() - arrays.keys())
-        unexpected = sorted(arrays.keys() - declared.keys())
-        if missing or unexpected:
+        if arrays.keys() != declared.keys():
+            missing = sorted(declared.keys() - arrays.keys())
+            unexpected = sorted(arrays.keys() - declared.keys())
             raise RemoteError("input_name_mismatch", f"missing inputs {missing}, unexpected inputs {unexpected}; the graph takes {sorted(declared)}")
-        for spec in self.inputs:
-            array = arrays[spec.name]
-            if dtypes[spec.name] != declared[spec.name]:
-                raise RemoteError("input_dtype_mismatch", f"input {spec.name!r} is {dtypes[spec.name]}, the graph declares {declared[spec.name]}")
-            if array.ndim != len(spec.shape):
-                raise RemoteError("input_rank_mismatch", f"input {spec.name!r} has rank {array.ndim} (shape {list(array.shape)}), the graph declares rank {len(spec.shape)}")
-            for axis, (got, want) in enumerate(zip(array.shape, spec.shape)):
-                if isinstance(want, int) and got != want:
-                    raise RemoteError("input_shape_mismatch", f"input {spec.name!r} dim {axis} is {got}, the graph declares {want} (shape {list(spec.shape)})")
+        for name, wire_dtype, declared_shape in self._input_checks:
+            array = arrays[name]
+            if dtypes[name] != wire_dtype:
+                raise RemoteError("input_dtype_mismatch", f"input {name!r} is {dtypes[name]}, the graph declares {wire_dtype}")
+            shape = array.shape
+            if len(shape) != len(declared_shape):
+                raise RemoteError("input_rank_mismatch", f"input {name!r} has rank {array.ndim} (shape {list(shape)}), the graph declares rank {len(declared_shape)}")
+            for axis, (got, want) in enumerate(zip(shape, declared_shape)):
+                if got != want and isinstance(want, int):
+                    raise RemoteError("input_shape_mismatch", f"input {name!r} dim {axis} is {got}, the graph declares {want} (shape {list(declared_shape)})")
 
     def run(self, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
         """Check the inputs, run, and return host arrays by output name."""
         self.check_inputs(arrays, dtypes)
-        feed = {name: self._ort_input(arrays[name], dtypes[name]) for name in self._input_wire}
+        if self._bfloat16_inputs:
+            feed = {name: self._ort_input(arrays[name], dtypes[name]) for name in self._input_wire}
+        else:  # the checked arrays are the feed as they are
+            feed = arrays
         try:
             if self._route.enable_cuda_graph:
                 outputs = self._run_cuda_graph(arrays)

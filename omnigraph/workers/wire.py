@@ -296,6 +296,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 # Built once: json.dumps / json.loads with options would build a new coder on every frame.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+_encode_ascii = json.encoder.encode_basestring_ascii  # the C escaper json.dumps uses
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_no_duplicate_keys)
 _ANCILLARY_BYTES = socket.CMSG_SPACE(MAX_FDS * 4)
 # Copy-on-write (the arrays are the receiver's to change), faulted in with one call rather than
@@ -354,6 +355,16 @@ def _shared_memory_file(data: memoryview) -> int:
 
 
 _PADDING = bytes(TENSOR_ALIGNMENT)
+# Each message type's header up to the request id's value (constant per type).
+_HEADER_OPENINGS = {t: f'{{"v":{WIRE_VERSION},"type":"{t}","request_id":' for t in MESSAGE_TYPES}
+_SHM_FEATURES = f'["{FEATURE_SHM_FD}"]'
+
+
+def _json_string(value: str) -> str:
+    """``value`` as a JSON string, exactly as the header encoder writes it (ASCII, escaped)."""
+    if type(value) is not str:
+        raise MalformedHeader(f"expected a string in the header, got {value!r}")
+    return _encode_ascii(value)
 
 
 def send_frame(
@@ -375,12 +386,16 @@ def send_frame(
     Refuses (before sending anything) what the receiver would refuse: an unknown dtype, too many
     tensors, tensors whose bytes add up beyond ``max_payload_bytes``.
     """
-    if msg_type not in MESSAGE_TYPES:
+    opening = _HEADER_OPENINGS.get(msg_type)
+    if opening is None:
         raise MalformedHeader(f"unknown message type {msg_type!r}")
+    for key, value in (("stage_id", stage_id), ("epoch", epoch), ("generation", generation)):
+        if type(value) is not int or not 0 <= value <= MAX_INT:
+            raise MalformedHeader(f"header field {key!r} must be an integer in [0, 2**63), got {value!r}")
     tensors = tensors or {}
     if len(tensors) > MAX_TENSORS:
         raise TooManyTensors(f"{len(tensors)} tensors, at most {MAX_TENSORS}")
-    descriptors: list[dict[str, Any]] = []
+    descriptors: list[str] = []
     buffers: list[Any] = [b""]  # [0]: prefix + header, filled in below
     fds: list[int] = []
     total = 0
@@ -398,28 +413,26 @@ def send_frame(
                 raise PayloadTooLarge(f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})")
             data = _as_bytes(array)
             if nbytes >= shm_threshold_bytes and nbytes > 0:
-                descriptors.append({"name": name, "dtype": dtype, "shape": array.shape, "nbytes": nbytes, "fd": len(fds)})
+                where = f'"fd":{len(fds)}'
                 fds.append(_shared_memory_file(memoryview(data)))
             else:
-                descriptors.append({"name": name, "dtype": dtype, "shape": array.shape, "nbytes": nbytes, "offset": offset})
+                where = f'"offset":{offset}'
                 buffers.append(data)
                 extent = _align(nbytes)
                 if extent != nbytes:
                     buffers.append(_PADDING[: extent - nbytes])
                 offset += extent
-        header = {
-            "v": WIRE_VERSION,
-            "type": msg_type,
-            "request_id": request_id,
-            "stage_id": stage_id,
-            "epoch": epoch,
-            "generation": generation,
-            "instance": instance,
-            "features_required": [FEATURE_SHM_FD] if fds else [],
-            "tensors": descriptors,
-            "body": body if body is not None else {},
-        }
-        header_bytes = _ENCODER.encode(header).encode()
+            descriptors.append(
+                f'{{"name":{_json_string(name)},"dtype":"{dtype}","shape":[{",".join(map(str, array.shape))}],'
+                f'"nbytes":{nbytes},{where}}}'
+            )
+        # The header's JSON, written field by field in the order and the compact form of
+        # json.dumps(header, separators=(",", ":")): no dict to build, no encoder to walk it.
+        header_bytes = (
+            f'{opening}{_json_string(request_id)},"stage_id":{stage_id},"epoch":{epoch},"generation":{generation},'
+            f'"instance":{_json_string(instance)},"features_required":{_SHM_FEATURES if fds else "[]"},'
+            f'"tensors":[{",".join(descriptors)}],"body":{_ENCODER.encode(body) if body else "{}"}}}'
+        ).encode()
         if len(header_bytes) > MAX_HEADER_BYTES:
             raise HeaderTooLarge(f"header of {len(header_bytes)} bytes, at most {MAX_HEADER_BYTES}")
         buffers[0] = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0) + header_bytes

@@ -106,6 +106,31 @@ def test_encoder_refuses_what_the_wire_does_not_carry(pair):
         wire.send_frame(a, "run", tensors={"x": np.zeros(CAP, np.uint8), "y": np.zeros(1, np.uint8)}, max_payload_bytes=CAP)
     with pytest.raises(wire.MalformedHeader):
         wire.send_frame(a, "bogus", max_payload_bytes=CAP)
+    for field, value in (("stage_id", True), ("epoch", np.int64(1)), ("generation", -1)):
+        with pytest.raises(wire.MalformedHeader, match=field):
+            wire.send_frame(a, "run", max_payload_bytes=CAP, **{field: value})
+    with pytest.raises(wire.MalformedHeader, match="string"):
+        wire.send_frame(a, "run", request_id=7, max_payload_bytes=CAP)  # type: ignore[arg-type]
+    pair[1].setblocking(False)
+    with pytest.raises(BlockingIOError):  # nothing was sent for any refused frame
+        pair[1].recv(1)
+
+
+def test_the_header_is_compact_json_in_field_order(pair):
+    """The encoder writes the header field by field: the bytes must be exactly those of
+    json.dumps(header, separators=(",", ":")) (ASCII escapes, keys in the documented order)."""
+    a, b = pair
+    tensors = {"x\u00e9\"": np.ones((2, 3), np.float32), "empty": np.zeros((0, 4), np.int64), "s": np.bool_(True)}
+    wire.send_frame(a, "run", request_id="r\u00e9\n\"\\", stage_id=3, epoch=2**63 - 1, generation=5,
+                    instance="\U0001f600", body={"k": [1, 2.5, None, "v"]}, tensors=tensors, max_payload_bytes=CAP)
+    prefix = b.recv(wire.PREFIX_BYTES)
+    header_bytes = b.recv(wire.PREFIX.unpack(prefix)[3])
+    decoded = json.loads(header_bytes)
+    assert list(decoded) == ["v", "type", "request_id", "stage_id", "epoch", "generation", "instance",
+                             "features_required", "tensors", "body"]
+    assert header_bytes == json.dumps(decoded, separators=(",", ":")).encode()
+    assert [d["name"] for d in decoded["tensors"]] == list(tensors)
+    assert decoded["tensors"][2] == {"name": "s", "dtype": "bool", "shape": [], "nbytes": 1, "offset": 64}
 
 
 MALFORMED = [
