@@ -279,8 +279,11 @@ class WorkerClient:
             raise self._died(msg_type) from None
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            frame = self._read(lambda: wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes), deadline)
-            arrays = self._read(lambda: wire.read_payload(self._sock, frame), deadline)
+            self._set_timeout(deadline)
+            frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
+            if deadline is not None:
+                self._set_timeout(deadline)
+            arrays = wire.read_payload(self._sock, frame)
         except socket.timeout:
             self.kill()
             self.wait_exit(DEATH_REAP_SECONDS)
@@ -301,12 +304,12 @@ class WorkerClient:
             )
         return frame, frame.body, arrays
 
-    def _read(self, read: Any, deadline: float | None) -> Any:
+    def _set_timeout(self, deadline: float | None) -> None:
+        """The socket's timeout for the rest of a call (only a change costs a system call)."""
         timeout = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
         if timeout != self._sock_timeout:
             self._sock.settimeout(timeout)
             self._sock_timeout = timeout
-        return read()
 
     def _died(self, during: str) -> WorkerDied:
         try:
