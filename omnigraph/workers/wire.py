@@ -559,11 +559,14 @@ def _validate_header(
     if msg_type not in MESSAGE_TYPES:
         raise MalformedHeader(f"unknown message type {msg_type!r}")
     features = header["features_required"]
-    if type(features) is not list or not all(type(f) is str for f in features):
+    if type(features) is not list:
         raise MalformedHeader("features_required must be a list of strings")
-    lacking = [f for f in features if f not in FEATURES]
-    if lacking:
-        raise UnknownRequiredFeature(f"required features {lacking} are not supported (have {sorted(FEATURES)})")
+    if features:  # most frames require none
+        if not all(type(f) is str for f in features):
+            raise MalformedHeader("features_required must be a list of strings")
+        lacking = [f for f in features if f not in FEATURES]
+        if lacking:
+            raise UnknownRequiredFeature(f"required features {lacking} are not supported (have {sorted(FEATURES)})")
     body = header["body"]
     if type(body) is not dict:
         raise MalformedHeader("body must be a JSON object")
@@ -584,6 +587,14 @@ def _validate_header(
         payload_nbytes=payload_len,
         fds=(),
     )
+
+
+def _bad_dim(name: str, dim: Any) -> str:
+    if type(dim) is not int:
+        return f"tensor {name!r} has a non-integer dim {dim!r}"
+    if dim < 0:
+        return f"tensor {name!r} has a negative dim {dim}"
+    return f"tensor {name!r} has a dim {dim} above {MAX_DIM}"
 
 
 def _validate_descriptors(
@@ -620,12 +631,8 @@ def _validate_descriptors(
         if len(shape) > MAX_RANK:
             raise BadShape(f"tensor {name!r} has rank {len(shape)}, at most {MAX_RANK}")
         for dim in shape:
-            if type(dim) is not int:
-                raise BadShape(f"tensor {name!r} has a non-integer dim {dim!r}")
-            if dim < 0:
-                raise BadShape(f"tensor {name!r} has a negative dim {dim}")
-            if dim > MAX_DIM:
-                raise BadShape(f"tensor {name!r} has a dim {dim} above {MAX_DIM}")
+            if type(dim) is not int or not 0 <= dim <= MAX_DIM:
+                raise BadShape(_bad_dim(name, dim))
         shape_t = tuple(shape)
         nbytes = desc["nbytes"]
         expected = _prod(shape_t) * WIRE_DTYPES[dtype].itemsize
