@@ -52,9 +52,11 @@ from omnigraph.pipelines.laya.graph import (
     load_checkpoint_weights,
     read_json,
 )
+from omnigraph.pipelines.laya.processor import COMPONENT
+from omnigraph.pipelines.laya.request import QUESTION_TYPES
+from omnigraph.pipelines.laya.sequence import OPTION_TOKEN_LIMIT, BatchLayout
 from omnigraph.pipelines.laya.synth import cache_root, cached_checkpoint
 
-COMPONENT = "laya.decision"
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
 EXPORTER_VERSION = 3
 OPSET = 17
@@ -70,7 +72,6 @@ DYNAMIC_AXES = {
     "logits": {0: "B", 1: "M"},
     "act_logits": {0: "B"},
 }
-QTYPE_NAMES = ("choice", "score", "noul")  # laya.common.QTYPE_NAMES order
 GRAPH_FILE = "graph.onnx"
 WEIGHTS_FILE = "weights.bin"
 INPUTS_FILE = "inputs.npz"
@@ -87,11 +88,6 @@ COPIED_FILES = {
     "tokenizer_config.json": "tokenizer/tokenizer_config.json",
     "rl_agent_config.json": "rl_agent_config.json",
 }
-# Bucketing the runtime uses; the exported graph accepts any shape, buckets bound how many
-# distinct shapes (and CUDA graphs) a server sees.
-LENGTH_MULTIPLE = 16
-LENGTH_MULTIPLE_ABOVE_256 = 64
-OPTION_TOKENS = 48
 FP32_LOGIT_TOLERANCE = 1e-4
 REDUCED_PROBABILITY_TOLERANCE = 0.002
 DECISIVE_MARGIN = 0.01
@@ -220,14 +216,16 @@ def bundle_layout(agent_config: dict, tokenizer_config: dict, tokenizer: Tokeniz
                                 f"pad_token_id {pad_id}")
     return {
         "rows": "pow2",
-        "length_multiple": LENGTH_MULTIPLE,
-        "length_multiple_above_256": LENGTH_MULTIPLE_ABOVE_256,
+        # The processor's bucketing (sequence.BatchLayout): the exported graph accepts any shape,
+        # buckets bound how many distinct shapes (and CUDA graphs) a server sees.
+        "length_multiple": BatchLayout.length_multiple,
+        "length_multiple_above_256": BatchLayout.length_multiple_above_256,
         "marker_bucket": "pow2",
         "max_len": int(agent_config.get("max_len", 512)),
         "head_max_len": int(agent_config.get("head_max_len", 192)),
-        "option_tokens": OPTION_TOKENS,
+        "option_tokens": OPTION_TOKEN_LIMIT,
         **special,
-        "qtypes": list(QTYPE_NAMES),
+        "qtypes": list(QUESTION_TYPES),  # laya.common.QTYPE_NAMES order
         "option_layout": "sequential",
         "masked_logit": MASKED_LOGIT,
         "inputs": {
@@ -242,16 +240,6 @@ def bundle_layout(agent_config: dict, tokenizer_config: dict, tokenizer: Tokeniz
             "act_logits": {"dtype": "float32", "shape": ["B", 2]},
         },
     }
-
-
-def bucket_length(length: int, layout: dict[str, Any]) -> int:
-    """A sequence length rounded up to its bucket: multiples of 16, of 64 above 256, at most max_len."""
-    multiple = layout["length_multiple"] if length <= 256 else layout["length_multiple_above_256"]
-    return min(layout["max_len"], -(-length // multiple) * multiple)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 def example_inputs(tokenizer: Tokenizer, layout: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -281,10 +269,13 @@ def example_inputs(tokenizer: Tokenizer, layout: dict[str, Any]) -> dict[str, np
             ids += [layout["mask_id"], *encode(" " + option)[:layout["option_tokens"]]]
         ids.append(layout["sep_id"])
         ids = (ids + encode(state))[:layout["max_len"] - 1] + [layout["sep_id"]]
-        rows.append((ids, markers, QTYPE_NAMES.index(qtype)))
+        rows.append((ids, markers, QUESTION_TYPES[qtype]))
     rows.append(([layout["cls_id"], layout["sep_id"]], [], 0))
-    batch, length = _pow2(len(rows)), bucket_length(max(len(ids) for ids, _, _ in rows), layout)
-    slots = _pow2(max(len(markers) for _, markers, _ in rows))
+    buckets = BatchLayout(max_len=layout["max_len"], length_multiple=layout["length_multiple"],
+                          length_multiple_above_256=layout["length_multiple_above_256"])
+    batch = buckets.rows_bucket(len(rows))
+    length = buckets.length_bucket(max(len(ids) for ids, _, _ in rows))
+    slots = buckets.markers_bucket(max(len(markers) for _, markers, _ in rows))
     inputs = {
         "input_ids": np.full((batch, length), layout["pad_id"], dtype=np.int64),
         "attention_mask": np.zeros((batch, length), dtype=np.int64),
