@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +30,7 @@ def inspect_bundle(path: str | os.PathLike[str]) -> dict[str, Any]:
     file_sizes = {name: (root / name).stat().st_size for name in manifest.files}
     return {
         "bundle": str(root),
-        "manifest_sha256": hashlib.sha256(layout.manifest_bytes).hexdigest(),
+        "manifest_sha256": layout.manifest_sha256,
         "component": manifest.component,
         "graph_file": graph_file,
         "ir_version": model.ir_version,

@@ -43,6 +43,11 @@ class BundleLayout:
     manifest_bytes: bytes
     manifest: Manifest
 
+    @property
+    def manifest_sha256(self) -> str:
+        """The sha256 of manifest.json's bytes: the bundle's identity."""
+        return hashlib.sha256(self.manifest_bytes).hexdigest()
+
 
 def read_bundle_layout(path: str | os.PathLike[str]) -> BundleLayout:
     """Parse the manifest of a bundle folder (or its manifest.json) and check the folder's files.
@@ -78,7 +83,7 @@ def verify_bundle(path: str | os.PathLike[str]) -> VerifiedBundle:
         root=root,
         manifest_path=layout.manifest_path,
         manifest=manifest,
-        manifest_sha256=hashlib.sha256(layout.manifest_bytes).hexdigest(),
+        manifest_sha256=layout.manifest_sha256,
         graph_path=root / metadata.graph_file,
         example_inputs_path=None if metadata.example_inputs_file is None else root / metadata.example_inputs_file,
         custom_ops_path=None if manifest.custom_ops is None else root / manifest.custom_ops.library_file,
