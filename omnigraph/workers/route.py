@@ -121,22 +121,20 @@ class WorkerRoute:
         fallback (see session.py).
         """
         chain: list[tuple[str, dict[str, str]]] = []
+        target_options = {k: _option_value(v) for k, v in self.provider_options.items()}
         cuda_options = {"device_id": str(self.device_id)}
         if self.gpu_mem_limit is not None:
             cuda_options["gpu_mem_limit"] = str(self.gpu_mem_limit)
         if self.ep == "cuda":
             if self.enable_cuda_graph:
                 cuda_options["enable_cuda_graph"] = "1"
-            cuda_options.update({k: _option_value(v) for k, v in self.provider_options.items()})
-            chain.append(("CUDAExecutionProvider", cuda_options))
+            chain.append(("CUDAExecutionProvider", {**cuda_options, **target_options}))
         elif self.ep == "tensorrt":
-            trt_options = {"device_id": str(self.device_id)}
-            trt_options.update({k: _option_value(v) for k, v in self.provider_options.items()})
-            chain.append(("TensorrtExecutionProvider", trt_options))
+            chain.append(("TensorrtExecutionProvider", {"device_id": str(self.device_id), **target_options}))
             if "CUDAExecutionProvider" in self.allowed_providers:
                 chain.append(("CUDAExecutionProvider", cuda_options))
         else:
-            chain.append(("CPUExecutionProvider", {k: _option_value(v) for k, v in self.provider_options.items()}))
+            chain.append(("CPUExecutionProvider", target_options))
         if self.ep != "cpu" and "CPUExecutionProvider" in self.allowed_providers:
             chain.append(("CPUExecutionProvider", {}))
         return chain
