@@ -128,7 +128,10 @@ class GraphSession:
             return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(np.ascontiguousarray(array), _BFLOAT16)
         return array
 
-    def _run_io_binding(self, feed: Mapping[str, np.ndarray | ort.OrtValue]) -> list[np.ndarray]:
+    def _run_io_binding(
+        self, feed: Mapping[str, np.ndarray | ort.OrtValue], options: ort.RunOptions | None = None
+    ) -> list[np.ndarray]:
+        """Host inputs in, device outputs copied back (a fresh binding each call)."""
         binding = self._session.io_binding()
         for name, value in feed.items():
             if isinstance(value, ort.OrtValue):
@@ -137,7 +140,7 @@ class GraphSession:
                 binding.bind_cpu_input(name, value)
         for name in self._output_names:
             binding.bind_output(name, "cuda", self._route.device_id)
-        self._session.run_with_iobinding(binding)
+        self._session.run_with_iobinding(binding, options)
         return binding.copy_outputs_to_cpu()
 
     def _run_cuda_graph(self, arrays: Mapping[str, np.ndarray]) -> list[np.ndarray]:
@@ -150,13 +153,7 @@ class GraphSession:
         options = ort.RunOptions()
         if slot is None:  # more shapes than graphs: run this one uncaptured
             options.add_run_config_entry(GPU_GRAPH_ID, "-1")
-            binding = self._session.io_binding()
-            for name in self._input_wire:
-                binding.bind_cpu_input(name, np.ascontiguousarray(arrays[name]))
-            for name in self._output_names:
-                binding.bind_output(name, "cuda", self._route.device_id)
-            self._session.run_with_iobinding(binding, options)
-            return binding.copy_outputs_to_cpu()
+            return self._run_io_binding({name: np.ascontiguousarray(arrays[name]) for name in self._input_wire}, options)
         for name, value in slot.inputs.items():
             value.update_inplace(np.ascontiguousarray(arrays[name]))
         if slot.outputs is None:  # first call of this shape: learn the output shapes uncaptured
@@ -224,11 +221,16 @@ def _example_inputs(bundle: VerifiedBundle) -> dict[str, np.ndarray] | None:
         return {name: data[name] for name in data.files}
 
 
+def _run_example(graph: GraphSession, example: dict[str, np.ndarray]) -> None:
+    """One call on the bundle's example inputs, each sent as its own array's wire dtype."""
+    graph.run(example, {name: wire_dtype_of(array) for name, array in example.items()})
+
+
 def _warmup_placement(session: ort.InferenceSession, graph: GraphSession, example: dict[str, np.ndarray] | None, target: str) -> PlacementReport:
     """Run the example inputs once under the profiler; the profile file is deleted afterwards."""
     try:
         if example is not None:
-            graph.run(example, {name: wire_dtype_of(a) for name, a in example.items()})
+            _run_example(graph, example)
     finally:
         profile = session.end_profiling()
     try:
@@ -284,7 +286,7 @@ def load_session(manifest_path: str, route: WorkerRoute) -> tuple[GraphSession, 
     graph = GraphSession(session, route)
     if example is not None:
         try:
-            graph.run(example, {name: wire_dtype_of(a) for name, a in example.items()})
+            _run_example(graph, example)
         except RemoteError as exc:
             raise LoadRefused("load_failed", f"warmup of the serving session failed: {exc}") from None
     report = LoadReport(
