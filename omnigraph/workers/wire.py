@@ -390,8 +390,7 @@ def send_frame(
     if opening is None:
         raise MalformedHeader(f"unknown message type {msg_type!r}")
     for key, value in (("stage_id", stage_id), ("epoch", epoch), ("generation", generation)):
-        if type(value) is not int or not 0 <= value <= MAX_INT:
-            raise MalformedHeader(f"header field {key!r} must be an integer in [0, 2**63), got {value!r}")
+        _checked_int(key, value)
     tensors = tensors or {}
     if len(tensors) > MAX_TENSORS:
         raise TooManyTensors(f"{len(tensors)} tensors, at most {MAX_TENSORS}")
@@ -516,8 +515,8 @@ def _close_fds(fds: list[int] | tuple[int, ...]) -> None:
             pass
 
 
-def _int_field(header: Mapping[str, Any], key: str) -> int:
-    value = header[key]
+def _checked_int(key: str, value: Any) -> int:
+    """A header integer field's value, refused unless it fits [0, 2**63) (both directions)."""
     if type(value) is not int or not 0 <= value <= MAX_INT:
         raise MalformedHeader(f"header field {key!r} must be an integer in [0, 2**63), got {value!r}")
     return value
@@ -577,9 +576,9 @@ def _validate_header(
     return Frame(
         type=msg_type,
         request_id=_str_field(header, "request_id"),
-        stage_id=_int_field(header, "stage_id"),
-        epoch=_int_field(header, "epoch"),
-        generation=_int_field(header, "generation"),
+        stage_id=_checked_int("stage_id", header["stage_id"]),
+        epoch=_checked_int("epoch", header["epoch"]),
+        generation=_checked_int("generation", header["generation"]),
         instance=_str_field(header, "instance"),
         features_required=tuple(features),
         tensors=tensors,
@@ -648,11 +647,12 @@ def _validate_descriptors(
         if offset is not None:
             if type(offset) is not int or offset < 0 or offset % TENSOR_ALIGNMENT:
                 raise BadExtent(f"tensor {name!r}: offset {offset!r} is not a {TENSOR_ALIGNMENT}-aligned byte offset")
-            if offset + _align(nbytes) > payload_len:
+            end = offset + _align(nbytes)
+            if end > payload_len:
                 raise BadExtent(
-                    f"tensor {name!r}: extent [{offset}, {offset + _align(nbytes)}) ends beyond the payload ({payload_len} bytes)"
+                    f"tensor {name!r}: extent [{offset}, {end}) ends beyond the payload ({payload_len} bytes)"
                 )
-            extents.append((offset, offset + _align(nbytes), name))
+            extents.append((offset, end, name))
         else:
             if type(fd) is not int or not 0 <= fd < fd_count:
                 raise BadShmReference(f"tensor {name!r}: fd index {fd!r} but {fd_count} descriptors came with the frame")
