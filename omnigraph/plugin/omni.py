@@ -150,7 +150,11 @@ class OmniBase:
         self.orchestrator.close()
         self.runtime.shutdown()
 
-    def _output(self, request: RequestState, result: Any) -> OmniRequestOutput:
+    def _abort_each(self, request_id: str | Iterable[str]) -> None:
+        for one in [request_id] if isinstance(request_id, str) else request_id:
+            self.orchestrator.abort(one)
+
+    def _output(self, request: RequestState, result: Any, error: str | None = None) -> OmniRequestOutput:
         return OmniRequestOutput(
             request_id=request.request_id,
             stage_id=self._final_stage_id,
@@ -158,6 +162,7 @@ class OmniBase:
             final_output_type=self._final_output_type,
             custom_output=result,
             stage_durations=dict(request.stage_durations),
+            error=error,
             _release=lambda: self.orchestrator.acknowledge(request),
         )
 
@@ -192,8 +197,7 @@ class AsyncOmni(OmniBase):
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """Cancel requests: queued ones leave undispatched; one in a call retires its worker."""
-        for one in [request_id] if isinstance(request_id, str) else request_id:
-            self.orchestrator.abort(one)
+        self._abort_each(request_id)
 
     async def __aenter__(self) -> AsyncOmni:
         return self
@@ -236,8 +240,8 @@ class Omni(OmniBase):
         return outputs  # type: ignore[return-value]
 
     def abort(self, request_id: str | Iterable[str]) -> None:
-        for one in [request_id] if isinstance(request_id, str) else request_id:
-            self.orchestrator.abort(one)
+        """Cancel requests: queued ones leave undispatched; one in a call retires its worker."""
+        self._abort_each(request_id)
 
     def __enter__(self) -> Omni:
         return self
@@ -249,10 +253,6 @@ class Omni(OmniBase):
         try:
             output = self._output(request, request.wait())
         except Exception as exc:
-            output = OmniRequestOutput(
-                request_id=request.request_id, stage_id=self._final_stage_id, finished=True,
-                final_output_type=self._final_output_type, custom_output=None,
-                stage_durations=dict(request.stage_durations), error=f"{type(exc).__name__}: {exc}",
-            )
+            output = self._output(request, None, error=f"{type(exc).__name__}: {exc}")
         self.orchestrator.acknowledge(request)
         outputs[index] = output

@@ -64,6 +64,11 @@ def backend_description(execution_plan: Mapping[str, Any]) -> str:
     return " -> ".join(stages)
 
 
+def _retry_after(seconds: float) -> dict[str, str]:
+    """The Retry-After header for a retry hint: whole seconds, at least one."""
+    return {"Retry-After": str(max(1, round(seconds)))}
+
+
 @dataclass(frozen=True)
 class Decision:
     """A finished request: the processor's response plus the time each stage took."""
@@ -176,12 +181,12 @@ class DecisionService:
             raise ApiError(422, exc.message, code="invalid_request", field=exc.field) from None
         except ResourceUnavailable as exc:
             raise ApiError(503, str(exc), code="queue_full",
-                           headers={"Retry-After": str(max(1, round(exc.retry_after)))}) from None
+                           headers=_retry_after(exc.retry_after)) from None
         except StageUnavailable as exc:
             if exc.retry_after is None:
                 raise ApiError(503, f"stage failed: {exc}", code="pipeline_failed") from None
             raise ApiError(503, str(exc), code="stage_recovering",
-                           headers={"Retry-After": str(max(1, round(exc.retry_after)))}) from None
+                           headers=_retry_after(exc.retry_after)) from None
         except PipelineClosed as exc:
             raise ApiError(503, f"stage failed: {exc}", code="pipeline_failed") from None
         except RequestCancelled as exc:
