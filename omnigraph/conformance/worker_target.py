@@ -77,7 +77,6 @@ class WorkerTargetSession:
         self._process: subprocess.Popen | None = None
         self._sock: socket.socket | None = None
         self._private_dir: Path | None = None
-        self.starts = 0
 
     def __enter__(self) -> WorkerTargetSession:
         self.start()
@@ -106,7 +105,6 @@ class WorkerTargetSession:
             self._sock.settimeout(REPLY_TIMEOUT_S)
         finally:
             listener.close()
-        self.starts += 1
         self.loaded = None
         hello = self._receive(START_TIMEOUT_S)
         if hello.closed or hello.type != "hello":
