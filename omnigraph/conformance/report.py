@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -94,11 +95,10 @@ class SuiteReport:
             lines += ["", f"first {min(len(failures), FAILURES_SHOWN)} of {len(failures)} failures:"]
             for result in failures[:FAILURES_SHOWN]:
                 lines += [f"FAILED {result.case_id}: {result.description}", f"    {result.detail}"]
-        reasons = sorted({(r.group, r.detail) for r in self.results if r.status is Status.SKIPPED})
-        if reasons:
+        skips = Counter((r.group, r.detail) for r in self.results if r.status is Status.SKIPPED)
+        if skips:
             lines += ["", "skipped:"]
-            for group, reason in reasons:
-                count = sum(1 for r in self.results if r.status is Status.SKIPPED and (r.group, r.detail) == (group, reason))
+            for (group, reason), count in sorted(skips.items()):
                 lines.append(f"  {group}: {count} case(s): {reason}")
         lines += ["", "PASS" if self.ok else "FAIL"]
         return "\n".join(lines)
