@@ -22,7 +22,6 @@ is written and packed with `omnigraph.bundles.pack_bundle`. `send.mutations` the
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
@@ -31,7 +30,7 @@ from typing import Any, Mapping
 import numpy as np
 import onnx
 
-from omnigraph.bundles import MANIFEST_NAME, pack_bundle
+from omnigraph.bundles import MANIFEST_NAME, pack_bundle, sha256_file
 from omnigraph.conformance.graphs import write_model
 from omnigraph.conformance.suite import FixtureInvalid
 from omnigraph.conformance.tensors import tensor_from_spec
@@ -107,7 +106,7 @@ def _mutate(root: Path, outside: Path, mutation: Mapping[str, Any], *, where: st
         manifest = _read_manifest(root)
         for name in manifest["files"]:
             if (root / name).is_file():
-                manifest["files"][name] = hashlib.sha256((root / name).read_bytes()).hexdigest()
+                manifest["files"][name] = sha256_file(root / name)
         _write_manifest(root, manifest)
     else:
         raise FixtureInvalid(f"{where}: unknown mutation op {op!r}")
