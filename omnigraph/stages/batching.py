@@ -98,8 +98,10 @@ class StageQueue:
             while not self._items:
                 self._ready.wait()
             first = self._items.popleft()
-            if first is STOP or self.max_batch_rows <= 1:
-                return first if first is STOP else [first]
+            if first is STOP:
+                return STOP
+            if self.max_batch_rows <= 1:
+                return [first]
             key = batch_key(first.tensors)
             if key is None or key[0] >= self.max_batch_rows:
                 return [first]

@@ -65,15 +65,18 @@ class RequestState:
     def record(self, stage_id: int, seconds: float) -> None:
         """Add a finished call's duration to its stage's total."""
         with self._lock:
-            self.stage_durations[stage_id] = self.stage_durations.get(stage_id, 0.0) + seconds
+            self._record_locked(stage_id, seconds)
 
     def store(self, stage_id: int, seconds: float, index: int, outputs: Mapping[str, np.ndarray]) -> bool:
         """Record the final stage's call and keep its outputs; True when no work item is outstanding."""
         with self._lock:
-            self.stage_durations[stage_id] = self.stage_durations.get(stage_id, 0.0) + seconds
+            self._record_locked(stage_id, seconds)
             self._outputs[index] = outputs
             self._remaining -= 1
             return self._remaining == 0
+
+    def _record_locked(self, stage_id: int, seconds: float) -> None:
+        self.stage_durations[stage_id] = self.stage_durations.get(stage_id, 0.0) + seconds
 
     def take_outputs(self) -> list[Mapping[str, np.ndarray]]:
         outputs, self._outputs = self._outputs, []
