@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import hashlib
 import json
 import os
 import platform
@@ -30,9 +29,12 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from omnigraph.bundles.hashing import sha256_file
 from omnigraph.workers.ops import graphs, reference
+from omnigraph.workers.placement import placement_from_profile
 
 _TOLERANCE = {"bfloat16": 2e-2, "float16": 4e-3}  # max |error| / max(1, max |reference|)
+_CUDA_PROVIDER = "CUDAExecutionProvider"
 _ONNX_TYPE = {"bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16}
 
 
@@ -55,17 +57,7 @@ def _session_options(library: Path, *, profile_dir: Path | None = None, cuda_gra
     if profile_dir is not None:
         options.enable_profiling = True
         options.profile_file_prefix = str(profile_dir / "profile")
-    return options, [("CUDAExecutionProvider", {"enable_cuda_graph": "1" if cuda_graph else "0"})]
-
-
-def _node_providers(profile_file: str) -> dict[str, str]:
-    """node name -> the provider ORT ran it on, from the profile's Node events."""
-    events = json.loads(Path(profile_file).read_text())
-    return {
-        event["name"].removesuffix("_kernel_time"): event["args"]["provider"]
-        for event in events
-        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time") and "provider" in event.get("args", {})
-    }
+    return options, [(_CUDA_PROVIDER, {"enable_cuda_graph": "1" if cuda_graph else "0"})]
 
 
 def check_case(
@@ -79,11 +71,11 @@ def check_case(
         options, providers = _session_options(library, profile_dir=Path(tmp))
         session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
         outputs = session.run(None, feeds)
-        placement = _node_providers(session.end_profiling())
+        placement = placement_from_profile(session.end_profiling(), _CUDA_PROVIDER)
     errors = [
         float(np.max(np.abs(out - ref)) / max(1.0, float(np.max(np.abs(ref))))) for out, ref in zip(outputs, expected)
     ]
-    off_cuda = {name: provider for name, provider in placement.items() if provider != "CUDAExecutionProvider"}
+    off_cuda = placement.off_target_nodes()
 
     options, providers = _session_options(library, cuda_graph=True)
     graph_session = ort.InferenceSession(model.SerializeToString(), options, providers=providers)
@@ -103,10 +95,10 @@ def check_case(
     return {
         "max_relative_error": max(errors),
         "tolerance": _TOLERANCE[dtype],
-        "nodes": len(placement),
+        "nodes": len(placement.node_providers),
         "nodes_off_cuda": off_cuda,
         "cuda_graph_max_abs_diff": graph_mismatch,
-        "ok": max(errors) <= _TOLERANCE[dtype] and not off_cuda and len(placement) > 0 and graph_mismatch == 0.0,
+        "ok": max(errors) <= _TOLERANCE[dtype] and not off_cuda and len(placement.node_providers) > 0 and graph_mismatch == 0.0,
     }
 
 
@@ -270,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m omnigraph.workers.ops.selftest", *(sys.argv[1:] if argv is None else argv)]),
-        "library_sha256": hashlib.sha256(library.read_bytes()).hexdigest(),  # which kernels these rows measure
+        "library_sha256": sha256_file(library),  # which kernels these rows measure
     }
     rows, failures = [], 0
     rng = np.random.default_rng(0)
