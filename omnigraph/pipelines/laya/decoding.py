@@ -18,7 +18,7 @@ import numpy as np
 
 from omnigraph.pipelines.laya.request import QUESTION_TYPES, Question
 
-__all__ = ["TEMPERATURE_MIN", "TEMPERATURE_MAX", "Calibration", "temperature_bucket", "decode_answer"]
+__all__ = ["TEMPERATURE_MIN", "TEMPERATURE_MAX", "Calibration", "temperature_bucket", "decode_answer", "softmax"]
 
 #: Fitted temperatures are confined to this range (``laya.common.clamp_temperature``).
 TEMPERATURE_MIN = 0.5
@@ -73,9 +73,10 @@ class Calibration:
                                                self.temperature[QUESTION_TYPES[qtype]])
 
 
-def _softmax(z: np.ndarray) -> np.ndarray:
-    p = np.exp(z - z.max())
-    p /= p.sum()
+def softmax(z: np.ndarray) -> np.ndarray:
+    """Probabilities along the last axis (the exporter's validation uses it on whole batches)."""
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
     return p
 
 
@@ -96,9 +97,9 @@ def decode_answer(question: Question, logits: np.ndarray, act_logits: np.ndarray
     k = len(question.options)
     row = np.asarray(logits, dtype=np.float32)[:k]
     p = np.empty_like(row)
-    p[list(question.slot_order)] = _softmax(row / calibration.temperature_for(question.qtype, k))
+    p[list(question.slot_order)] = softmax(row / calibration.temperature_for(question.qtype, k))
     answer_confidence = round(min(1.0, max(0.0, float(p.max()))), _DECIMALS)
-    action = {"act_probability": round(float(_softmax(np.asarray(act_logits, dtype=np.float32))[0]),
+    action = {"act_probability": round(float(softmax(np.asarray(act_logits, dtype=np.float32))[0]),
                                        _DECIMALS)}
     if question.qtype == "choice":
         return {

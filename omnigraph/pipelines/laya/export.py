@@ -52,6 +52,7 @@ from omnigraph.pipelines.laya.graph import (
     load_checkpoint_weights,
     read_json,
 )
+from omnigraph.pipelines.laya.decoding import softmax
 from omnigraph.pipelines.laya.processor import COMPONENT
 from omnigraph.pipelines.laya.request import QUESTION_TYPES
 from omnigraph.pipelines.laya.sequence import OPTION_TOKEN_LIMIT, BatchLayout
@@ -344,11 +345,6 @@ def store_weights_as(model: onnx.ModelProto, data_type: int) -> None:
     model.graph.node.extend(nodes)
 
 
-def _softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    return shifted / shifted.sum(axis=-1, keepdims=True)
-
-
 def validate_export(module: DecisionGraph, graph_path: Path, inputs: dict[str, np.ndarray], precision: str,
                     *, custom_ops_library: Path | None = None) -> dict[str, Any]:
     """Run the exported graph in ONNX Runtime (CPU) and compare with the float32 torch module.
@@ -367,8 +363,8 @@ def validate_export(module: DecisionGraph, graph_path: Path, inputs: dict[str, n
     session = ort.InferenceSession(str(graph_path), options, providers=["CPUExecutionProvider"])
     actual = session.run(list(OUTPUT_NAMES), {name: inputs[name] for name in INPUT_NAMES})
     valid = inputs["marker_mask"]
-    probabilities = [_softmax(np.where(valid, logits, MASKED_LOGIT)) for logits in (expected[0], actual[0])]
-    act_probability = [_softmax(act)[:, 0] for act in (expected[1], actual[1])]
+    probabilities = [softmax(np.where(valid, logits, MASKED_LOGIT)) for logits in (expected[0], actual[0])]
+    act_probability = [softmax(act)[:, 0] for act in (expected[1], actual[1])]
     diff = {
         "logits": float(np.abs(expected[0] - actual[0])[valid].max()),
         "act_logits": float(np.abs(expected[1] - actual[1]).max()),
