@@ -18,6 +18,7 @@ import onnxruntime as ort
 
 from omnigraph.bundles import BundleError, VerifiedBundle, verify_bundle
 from omnigraph.workers.errors import LoadRefused, PlacementRefused, RemoteError
+from omnigraph.workers.ops.loader import OpsLibraryError, custom_ops_library
 from omnigraph.workers.placement import PlacementReport, check_placement, placement_from_profile
 from omnigraph.workers.reports import LoadReport, TensorSpec
 from omnigraph.workers.route import WorkerRoute
@@ -252,8 +253,11 @@ def load_session(manifest_path: str, route: WorkerRoute) -> tuple[GraphSession, 
     """
     try:
         bundle = verify_bundle(manifest_path)
+        custom_ops_library(bundle)  # the library's ABI and domain are this worker's, not only its hash
     except BundleError as exc:
         raise LoadRefused("bundle_invalid", str(exc)) from None
+    except OpsLibraryError as exc:
+        raise LoadRefused("bundle_invalid", f"custom-op library: {exc}") from None
     try:
         example = _example_inputs(bundle)
     except (OSError, ValueError) as exc:

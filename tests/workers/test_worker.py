@@ -19,7 +19,9 @@ from omnigraph.workers.client import WorkerClient
 from omnigraph.workers.errors import LoadRefused, PlacementRefused, RemoteError, WorkerBusy, WorkerDied, WorkerTimeout
 from omnigraph.workers.route import WorkerRoute
 
-from .conftest import affine_inputs
+from omnigraph.bundles import pack_bundle
+
+from .conftest import affine_graph, affine_inputs, pack_graph
 
 
 def cpu_ticks(pid: int) -> int:
@@ -107,6 +109,19 @@ def test_run_before_load_and_a_tampered_bundle(start_worker, affine_bundle):
     with pytest.raises(LoadRefused) as refused:
         client.load(affine_bundle.manifest_path)
     assert refused.value.code == "bundle_invalid" and "sha256" in refused.value.message
+
+
+def test_a_custom_op_library_of_another_abi_is_refused_before_ort_sees_it(start_worker, tmp_path):
+    folder = tmp_path / "bundle"
+    pack_graph(folder, affine_graph(), affine_inputs(1, 4))
+    (folder / "libomnigraph_ops.so").write_bytes(b"not a shared library")
+    bundle = pack_bundle(folder, component="test.graph", example_inputs_file="inputs.npz",
+                         custom_ops={"library_file": "libomnigraph_ops.so", "abi_version": 99, "domain": "omnigraph"})
+    client = start_worker()
+    with pytest.raises(LoadRefused) as refused:
+        client.load(bundle.manifest_path)
+    assert refused.value.code == "bundle_invalid"
+    assert "custom-op library" in refused.value.message and "ABI version 99" in refused.value.message
 
 
 def test_stale_epoch_is_refused_by_client_and_worker(start_worker, affine_bundle):
