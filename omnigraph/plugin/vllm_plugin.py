@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import os
-import time
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -70,14 +69,10 @@ class OmnigraphEndpointPlugin:
         """Start the pipeline in the background; the routes answer 503 until its warmup passed."""
         from prometheus_client import REGISTRY
 
-        from omnigraph.plugin.api.body import MAX_BODY_BYTES
-        from omnigraph.plugin.api.metrics import ServerMetrics
+        from omnigraph.plugin.api.app import attach_service
         from omnigraph.plugin.server import build_service, request_deadline_from_env
 
         service = build_service(**_pipeline_source(args), deadline_s=request_deadline_from_env())
-        state.service = service
-        state.metrics = ServerMetrics(service.queue_depth, service.ledger_snapshot, registry=REGISTRY)
-        state.max_body_bytes = MAX_BODY_BYTES
-        state.started_at = int(time.time())
+        attach_service(state, service, registry=REGISTRY)
         state.omnigraph_start = asyncio.get_running_loop().create_task(service.start())
         atexit.register(service.shutdown)  # vLLM's lifespan does not know this engine

@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnigraph.plugin.api import decision, openai_routes, ops
@@ -48,6 +49,16 @@ class _RequestMetrics:
             self.metrics.observe_request(route, status, time.perf_counter() - started)
 
 
+def attach_service(state: Any, service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
+                   registry: CollectorRegistry | None = None) -> None:
+    """Put on `state` (an app's, or vLLM's) what the routes read: the service, its metrics, the
+    body cap and the start time."""
+    state.service = service
+    state.metrics = ServerMetrics(service.queue_depth, service.ledger_snapshot, registry=registry)
+    state.max_body_bytes = max_body_bytes
+    state.started_at = int(time.time())
+
+
 def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
               on_startup_failure: Callable[[str], None] | None = None) -> FastAPI:
     """An app serving `service`; `on_startup_failure(reason)` is called if the engine cannot start."""
@@ -71,10 +82,7 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
             await service.stop()
 
     app = FastAPI(title="omnigraph", summary="System One decisions over HTTP", lifespan=lifespan)
-    app.state.service = service
-    app.state.metrics = ServerMetrics(service.queue_depth, service.ledger_snapshot)
-    app.state.max_body_bytes = max_body_bytes
-    app.state.started_at = int(time.time())
+    attach_service(app.state, service, max_body_bytes=max_body_bytes)
     app.add_exception_handler(ApiError, api_error_handler)
     app.add_exception_handler(Exception, unexpected_error_handler)
     app.include_router(decision.router)
