@@ -216,9 +216,7 @@ class GraphStageClient:
                                       epoch=first.epoch, timeout=timeout)
             shares = split_outputs(outputs, rows)
         except BaseException as exc:  # every failure is routed: to the requests, and maybe retirement
-            with self._lock:
-                self._current = ()
-                interrupted = self._interrupt_reason
+            interrupted = self._end_call()
             if interrupted is None and _request_level(exc):
                 for item in items:
                     item.fail(exc)
@@ -233,9 +231,7 @@ class GraphStageClient:
             self.retire(interrupted or cause, failed=items, error=error)
             return False
         seconds = time.perf_counter() - started
-        with self._lock:
-            self._current = ()
-            interrupted = self._interrupt_reason
+        interrupted = self._end_call()
         self.calls += 1
         self.items += len(items)
         if interrupted is not None:  # killed just as the call returned: the worker is gone
@@ -245,3 +241,9 @@ class GraphStageClient:
             if item.is_live():
                 item.complete(share, seconds)
         return True
+
+    def _end_call(self) -> str | None:
+        """The call is over: nothing is in flight; why the replica was interrupted meanwhile, if it was."""
+        with self._lock:
+            self._current = ()
+            return self._interrupt_reason
