@@ -116,10 +116,14 @@ class GraphStage:
 
     def _check_live_locked(self) -> None:
         if self.failure is not None:
-            raise StageUnavailable(f"stage {self.stage_id} has no live replica ({self.failure}); recreate the pipeline")
+            raise self._failed_error()
         if not any(r.serving for r in self.replicas):
             raise StageUnavailable(f"stage {self.stage_id} has no live replica: one is retiring or a replacement is starting",
                                    retry_after=REPLACEMENT_RETRY_AFTER_S)
+
+    def _failed_error(self) -> StageUnavailable:
+        """What every request to a stage failed for good gets (no retry: recreate the pipeline)."""
+        return StageUnavailable(f"stage {self.stage_id} has no live replica ({self.failure}); recreate the pipeline")
 
     def replica_retired(self, replica: GraphStageClient) -> bool:
         """Called by a retiring replica: decide (budget permitting) to replace it; while no replica
@@ -159,7 +163,7 @@ class GraphStage:
         else:
             if self.failure is None:
                 self.failure = reason
-            error = StageUnavailable(f"stage {self.stage_id} has no live replica ({self.failure}); recreate the pipeline")
+            error = self._failed_error()
         for item in self.queue.drain():
             item.fail(error)
 
