@@ -27,7 +27,6 @@ if TYPE_CHECKING:
     from omnigraph.stages.runtime import GraphStage
     from omnigraph.workers.client import WorkerClient
     from omnigraph.workers.reports import LoadReport
-    from omnigraph.workers.route import WorkerRoute
 
 EXIT_VERIFY_TIMEOUT_S = 10.0
 # Why: a replacement worker starts and warms up within seconds; clients retry after about this long.
@@ -60,13 +59,11 @@ def _request_level(error: BaseException) -> bool:
 class GraphStageClient:
     """One started, loaded and warmed-up worker serving a stage's queue."""
 
-    def __init__(self, stage: GraphStage, replica: int, client: WorkerClient, route: WorkerRoute,
-                 reservation: Reservation | None, ledger: ResourceLedger, load_report: LoadReport,
-                 *, restarts: int = 0) -> None:
+    def __init__(self, stage: GraphStage, replica: int, client: WorkerClient, reservation: Reservation,
+                 ledger: ResourceLedger, load_report: LoadReport, *, restarts: int = 0) -> None:
         self.stage = stage
         self.replica = replica
         self.client = client
-        self.route = route
         self.reservation = reservation
         self.load_report = load_report
         self.restarts = restarts
@@ -129,8 +126,8 @@ class GraphStageClient:
             "exit_verified": self.exit_verified,
             "calls": self.calls,
             "items": self.items,
-            "route": self.route.to_dict(),
-            "reservation": dict(self.reservation.demands) if self.reservation else {},
+            "route": self.stage.route.to_dict(),
+            "reservation": dict(self.reservation.demands),
             "placement": self.load_report.placement.to_dict(),
             "session_providers": list(self.load_report.session_providers),
             "onnxruntime_version": hello.onnxruntime_version,
@@ -149,13 +146,11 @@ class GraphStageClient:
             error.retry_after = REPLACEMENT_RETRY_AFTER_S  # another replica serves, or a replacement comes
         for item in failed:
             item.fail(error)  # type: ignore[arg-type]
-        if self.reservation is not None:
-            self._ledger.quarantine(self.reservation)
+        self._ledger.quarantine(self.reservation)
         self.client.kill()
         verified = self.client.wait_exit(EXIT_VERIFY_TIMEOUT_S)
         if verified:
-            if self.reservation is not None:
-                self._ledger.release_quarantined(self.reservation)
+            self._ledger.release_quarantined(self.reservation)
             self.client.close()
         self.exit_verified = verified
         self.stage.replica_exited(self)
@@ -173,11 +168,10 @@ class GraphStageClient:
         if not self.exit_verified:
             self.client.kill()
             self.exit_verified = self.client.wait_exit(EXIT_VERIFY_TIMEOUT_S)
-        if self.reservation is not None:
-            if self.exit_verified:
-                self._ledger.release(self.reservation)
-            else:
-                self._ledger.quarantine(self.reservation)
+        if self.exit_verified:
+            self._ledger.release(self.reservation)
+        else:
+            self._ledger.quarantine(self.reservation)
 
     def _serve(self) -> None:
         while True:

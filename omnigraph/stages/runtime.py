@@ -340,7 +340,7 @@ class StageRuntime:
             raise StageStartupError(stage.stage_id, replica, f"load and warmup refused: {exc}") from exc
         if report.manifest_sha256 != stage.bundle.manifest_sha256:
             raise StageStartupError(stage.stage_id, replica, "the worker loaded another manifest than the one verified here")
-        return GraphStageClient(stage, replica, client, stage.route, reservation, self.ledger, report, restarts=restarts)
+        return GraphStageClient(stage, replica, client, reservation, self.ledger, report, restarts=restarts)
 
     def _start_replacement(self, stage: GraphStage, slot: int, restarts: int, launched: Launched) -> GraphStageClient:
         """A new generation for a retired slot: its own reservation, start, load, warmup; all of it
