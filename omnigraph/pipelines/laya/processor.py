@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from omnigraph.pipelines.laya.decoding import Calibration, decode_answer
-from omnigraph.pipelines.laya.request import DecisionRequest, RequestLimits, parse_request
+from omnigraph.pipelines.laya.request import DecisionRequest, Question, RequestLimits, parse_request
 from omnigraph.pipelines.laya.sequence import (
     OPTION_TOKEN_LIMIT, PROMPT_TEMPLATE, BatchLayout, LayaTokenizer, Row, build_row, collate, pack_batches,
 )
@@ -115,16 +115,15 @@ class LayaProcessor:
             context = LayaContext(request=decision, batches=(), row_tokens=())
             return PreparedRequest(work=(), context=context)
         state_ids = self._tokenizer.encode(decision.state_text)
-        rows = [self._row(decision, index, state_ids) for index in range(len(decision.questions))]
+        rows = [self._row(question, state_ids, decision.truncate_left) for question in decision.questions]
         batches = tuple(pack_batches(rows, self._layout))
         work = tuple(collate([rows[i] for i in batch], self._layout) for batch in batches)
         context = LayaContext(request=decision, batches=batches,
                               row_tokens=tuple(len(row.ids) for row in rows))
         return PreparedRequest(work=work, context=context)
 
-    def _row(self, decision: DecisionRequest, index: int, state_ids: list[int]) -> Row:
-        question = decision.questions[index]
-        row = build_row(self._tokenizer, question, state_ids, truncate_left=decision.truncate_left,
+    def _row(self, question: Question, state_ids: list[int], truncate_left: bool) -> Row:
+        row = build_row(self._tokenizer, question, state_ids, truncate_left=truncate_left,
                         max_len=self._layout.max_len, head_max_len=self._layout.head_max_len)
         if len(row.markers) != len(question.options):
             raise RequestInvalid(
