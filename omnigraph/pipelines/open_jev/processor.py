@@ -1,0 +1,211 @@
+"""The Open-Jev processor: decision requests in, candidate prompts out, and back again.
+
+``prepare`` validates the whole request (the Decision API's rules, ``laya/request.py``, plus
+Open-Jev's own: no noul ``labels``, every prompt within the backbone's ``max_model_len``), renders
+one prompt per candidate (noul: the yes-question) with the bundle's prompt template
+(``prompt.py``) and tokenizes them with the bundle's backbone tokenizer. Each question becomes one
+work item holding all its prompts (``prompt_token_ids`` [T], ``prompt_lengths`` [P]), so the
+backbone stage batches a question's candidates together and its scores come back together.
+``finish`` takes one ``{"scores": float64 [P]}`` per question and normalises each question over its
+own complete candidate set only (``decoding.py``). ``option_order`` is accepted and has no effect:
+every candidate is scored in its own prompt, so there is no order to show.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from omnigraph.pipelines.laya.request import DecisionRequest, Question, RequestLimits, parse_request
+from omnigraph.pipelines.open_jev.decoding import Calibration, decode_answer
+from omnigraph.pipelines.open_jev.prompt import PromptTemplate, question_prompts
+from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid, RequestTooLarge
+
+if TYPE_CHECKING:
+    from omnigraph.bundles import VerifiedBundle
+
+__all__ = [
+    "COMPONENT",
+    "DEFAULT_MODEL_NAME",
+    "HEAD_OUTPUT",
+    "PROMPT_TEMPLATE_FILE",
+    "WARMUP_REQUEST",
+    "OpenJevContext",
+    "OpenJevProcessor",
+]
+
+#: The bundle component this processor reads (the head stage's bundle).
+COMPONENT = "open_jev.head"
+#: The head graph's output: one float64 score per prompt.
+HEAD_OUTPUT = "scores"
+#: The bundle member holding the prompt template.
+PROMPT_TEMPLATE_FILE = "prompt_template.json"
+#: The response's ``model`` when the request names none.
+DEFAULT_MODEL_NAME = "open_jev"
+
+#: A real request through every stage: a noul (one prompt) and a three-candidate choice.
+WARMUP_REQUEST = {
+    "state": "Please refund the duplicate charge.",
+    "questions": {
+        "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+        "priority": {"type": "choice", "instructions": "How urgent is this ticket?",
+                     "criteria": {"low": "it can wait", "high": "answer today", "urgent": "answer now"}},
+    },
+}
+
+# The noul sides' labels: Open-Jev refuses custom ones, so Laya's rendering is "false: <text>".
+_NOUL_LABELS = ("false", "true")
+
+
+@dataclass(frozen=True)
+class OpenJevContext:
+    """What ``finish`` needs: the validated request and each question's prompt count and tokens."""
+
+    request: DecisionRequest
+    prompt_counts: tuple[int, ...]   # P of each question's work item
+    prompt_tokens: tuple[int, ...]   # each question's prompt tokens, summed over its prompts
+
+
+def _layout(bundle: VerifiedBundle) -> tuple[str, int]:
+    """``backbone_dir`` and ``max_model_len`` of the manifest's layout, checked."""
+    layout = bundle.manifest.metadata.layout or {}
+    where = bundle.manifest_path
+    backbone_dir, max_model_len = layout.get("backbone_dir"), layout.get("max_model_len")
+    if not isinstance(backbone_dir, str) or not backbone_dir:
+        raise ValueError(f"{where}: layout backbone_dir must name the backbone folder, got {backbone_dir!r}")
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(f"{where}: layout max_model_len must be a positive integer, got {max_model_len!r}")
+    if layout.get("head_outputs") != [HEAD_OUTPUT]:
+        raise ValueError(f"{where}: layout head_outputs is {layout.get('head_outputs')!r}; "
+                         f"this processor reads [{HEAD_OUTPUT!r}]")
+    return backbone_dir, max_model_len
+
+
+class OpenJevProcessor:
+    """Validates requests into per-question candidate prompts and decodes the head's scores."""
+
+    def __init__(self, bundles: Mapping[int, VerifiedBundle], *,
+                 limits: RequestLimits = RequestLimits()) -> None:
+        if len(bundles) != 1:
+            raise ValueError(f"the Open-Jev pipeline has one graph stage (the head), so it takes one "
+                             f"bundle; got stages {sorted(bundles)}")
+        (self._bundle,) = bundles.values()
+        if self._bundle.manifest.component != COMPONENT:
+            raise ValueError(f"{self._bundle.manifest_path}: component "
+                             f"{self._bundle.manifest.component!r} is not an {COMPONENT} bundle")
+        backbone_dir, self._max_model_len = _layout(self._bundle)
+        self._tokenizer = Tokenizer.from_file(str(self._bundle.file(f"{backbone_dir}/tokenizer.json")))
+        self._template = PromptTemplate.from_file(self._bundle.file(PROMPT_TEMPLATE_FILE))
+        metadata = self._bundle.manifest.metadata
+        try:
+            self._calibration = Calibration.from_metadata(metadata.calibration or {})
+        except ValueError as exc:
+            raise ValueError(f"{self._bundle.manifest_path}: {exc}") from None
+        self._limits = limits
+        self._audit = {
+            "model_hash": self._bundle.manifest_sha256,
+            "calibration_version": self._calibration.version,
+            "temperature": self._calibration.temperature,
+            "prompt_template_sha256": self._bundle.manifest.files[PROMPT_TEMPLATE_FILE],
+            "tokenizer_sha256": self._bundle.manifest.files[f"{backbone_dir}/tokenizer.json"],
+            "precision": metadata.precision,
+        }
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
+        """Validate the whole request, then build one work item per question."""
+        decision = parse_request(request, self._limits)
+        prompts = [question_prompts(self._template, decision.state_text, question,
+                                    self._noul_sides(question, request["questions"][question.qid]))
+                   for question in decision.questions]
+        encoded = self._tokenizer.encode_batch([prompt for group in prompts for prompt in group])
+        work, counts, tokens, start = [], [], [], 0
+        for question, group in zip(decision.questions, prompts):
+            ids = [encoded[start + i].ids for i in range(len(group))]
+            start += len(group)
+            self._check_budget(question, ids, decision.state_text)
+            lengths = [len(prompt_ids) for prompt_ids in ids]
+            work.append({
+                "prompt_token_ids": np.fromiter((t for prompt_ids in ids for t in prompt_ids), dtype=np.int64),
+                "prompt_lengths": np.asarray(lengths, dtype=np.int64),
+            })
+            counts.append(len(group))
+            tokens.append(sum(lengths))
+        context = OpenJevContext(request=decision, prompt_counts=tuple(counts), prompt_tokens=tuple(tokens))
+        return PreparedRequest(work=tuple(work), context=context)
+
+    @staticmethod
+    def _noul_sides(question: Question, raw: Mapping[str, Any]) -> tuple[str, str] | None:
+        """A noul question's (false, true) criteria texts when it gives criteria; refuses labels."""
+        if question.qtype != "noul":
+            return None
+        if "labels" in raw:
+            raise RequestInvalid(f"questions.{question.qid}.labels",
+                                 "Open-Jev asks a noul question as one yes-question, so its answers "
+                                 "cannot be relabelled; word the criteria instead")
+        if not raw.get("criteria"):
+            return None
+        return tuple(option.removeprefix(f"{label}: ")  # type: ignore[return-value]
+                     for option, label in zip(question.options, _NOUL_LABELS))
+
+    def _check_budget(self, question: Question, ids: Sequence[Sequence[int]], state_text: str) -> None:
+        """Refuse a question whose longest prompt exceeds ``max_model_len`` (never truncated)."""
+        longest = max(range(len(ids)), key=lambda i: len(ids[i]))
+        if len(ids[longest]) <= self._max_model_len:
+            return
+        if question.qtype == "noul":
+            field = f"questions.{question.qid}"
+        elif question.qtype == "choice":
+            field = f"questions.{question.qid}.criteria.{question.keys[longest]}"
+        else:
+            field = f"questions.{question.qid}.criteria.{longest}"
+        raise RequestTooLarge(field, f"its prompt has {len(ids[longest])} tokens, over the backbone's "
+                                     f"max_model_len={self._max_model_len} (the state alone is "
+                                     f"{len(state_text)} characters); Open-Jev refuses rather than "
+                                     f"truncates: shorten the state, instructions or candidate")
+
+    def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict:
+        """The response: each question decoded over its own candidates' scores only."""
+        context: OpenJevContext = prepared.context
+        if len(outputs) != len(prepared.work):
+            raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per question), "
+                                         f"got {len(outputs)}")
+        questions = context.request.questions
+        answers = {}
+        for item, (question, output, count) in enumerate(zip(questions, outputs, context.prompt_counts)):
+            answers[question.qid] = decode_answer(question, self._checked_scores(item, output, count),
+                                                  self._calibration)
+        return {
+            "model": context.request.model or DEFAULT_MODEL_NAME,
+            "answers": answers,
+            "usage": {"input_tokens": sum(context.prompt_tokens), "output_tokens": 0},
+            "audit": {"input_tokens": {q.qid: n for q, n in zip(questions, context.prompt_tokens)}},
+        }
+
+    @staticmethod
+    def _checked_scores(item: int, output: Mapping[str, np.ndarray], count: int) -> np.ndarray:
+        """Work item ``item``'s ``scores``: float64, one finite value per prompt."""
+        if HEAD_OUTPUT not in output:
+            raise ProcessorOutputInvalid(f"output {item} has no {HEAD_OUTPUT!r} (got {sorted(output)})")
+        scores = np.asarray(output[HEAD_OUTPUT])
+        if scores.dtype != np.float64 or scores.shape != (count,):
+            raise ProcessorOutputInvalid(f"output {item} {HEAD_OUTPUT!r} is {scores.dtype} {scores.shape}, "
+                                         f"expected float64 ({count},)")
+        if not np.isfinite(scores).all():
+            raise ProcessorOutputInvalid(f"output {item} {HEAD_OUTPUT!r} holds non-finite scores")
+        return scores
+
+    def warmup_request(self) -> dict:
+        """A noul and a choice question (a fresh copy each time)."""
+        return copy.deepcopy(WARMUP_REQUEST)
+
+    def audit(self) -> dict:
+        """The bundle, calibration, prompt template and tokenizer that produce the answers."""
+        return dict(self._audit)
