@@ -36,6 +36,7 @@ from tokenizers import Tokenizer
 
 from omnigraph import __version__ as omnigraph_version
 from omnigraph.bundles import VerifiedBundle, pack_bundle, sha256_file, staged_bundle_dir, verify_bundle
+from omnigraph.pipelines.cua_s1.processor import COMPONENT, INPUT_NAME, OUTPUT_NAME
 from omnigraph.pipelines.cua_s1.prompt import (
     DEFAULT_OPTION_LINE,
     DEFAULT_SYSTEM_MESSAGE,
@@ -50,7 +51,6 @@ from omnigraph.pipelines.cua_s1.synth import ADAPTER_DIR, BASE_DIR, cached_check
 from omnigraph.pipelines.laya.synth import cache_root
 
 __all__ = [
-    "COMPONENT",
     "CheckpointInvalid",
     "BundleValidationFailed",
     "build_bundle",
@@ -59,8 +59,6 @@ __all__ = [
     "merge_lora",
 ]
 
-#: The bundle component the Cua-S1 processor feeds.
-COMPONENT = "cua_s1.head"
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
 EXPORTER_VERSION = 1
 OPSET = 17
@@ -70,8 +68,6 @@ INPUTS_FILE = "inputs.npz"
 PROMPT_TEMPLATE_FILE = "prompt_template.json"
 BACKBONE_DIR = "backbone"
 WEIGHTS_FILE = "model.safetensors"
-INPUT_NAME = "hidden_states"
-OUTPUT_NAME = "letter_logits"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 # Backbone files copied as shipped when present (the weights are rewritten, merged, as one file).
 BACKBONE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",

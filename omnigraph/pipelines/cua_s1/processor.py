@@ -1,0 +1,161 @@
+"""The Cua-S1 processor: choice requests in, one prompt per question out, letter logits back.
+
+``prepare`` validates the whole request (``request.py``), renders and tokenizes each question's
+prompt (``prompt.py``) and refuses any prompt longer than the backbone's ``max_model_len``; each
+question becomes one work item ``{"prompt_token_ids": int64 [T], "prompt_lengths": int64 [1]}``
+for the native backbone stage. ``finish`` takes each item's ``letter_logits`` [1, 26] from the
+head stage, keeps the first n letters, and answers: ``p = softmax(logits / T)`` over the question's
+own options (T = 1 unless the bundle's calibration says otherwise), ties to the first option,
+``confidence = 1 - H / ln n``, ``answer_confidence = max p``, everything rounded to 4 decimals.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from omnigraph.pipelines.cua_s1.prompt import LETTERS, ChatPrompter, PromptTemplate, letter_token_ids
+from omnigraph.pipelines.cua_s1.request import CUA_S1_LIMITS, ChoiceQuestion, ChoiceRequest, parse_choice_request
+from omnigraph.pipelines.laya.decoding import _entropy_confidence, softmax
+from omnigraph.pipelines.laya.request import RequestLimits
+from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestTooLarge
+
+if TYPE_CHECKING:
+    from omnigraph.bundles import VerifiedBundle
+
+__all__ = ["COMPONENT", "INPUT_NAME", "OUTPUT_NAME", "DEFAULT_MODEL_NAME", "WARMUP_REQUEST", "CuaS1Context",
+           "CuaS1Processor", "choice_answer"]
+
+#: The bundle component this processor feeds, and its head's input and output.
+COMPONENT = "cua_s1.head"
+INPUT_NAME = "hidden_states"
+OUTPUT_NAME = "letter_logits"
+
+#: The response's ``model`` when the request names none.
+DEFAULT_MODEL_NAME = "cua_s1"
+_DECIMALS = 4
+
+#: A real one-question request over a small accessibility tree.
+WARMUP_REQUEST = {
+    "state": '- Edit "Email" value="" required=True\n- CheckBox "I agree to the terms" checked=False required=True\n'
+             '- Button "Create account"',
+    "questions": {"next": {"type": "choice", "instructions": "Create the account for jane@example.com.",
+                           "criteria": {"fill": 'Fill "Email" with jane@example.com',
+                                        "tick": 'Tick "I agree to the terms"',
+                                        "submit": 'Click "Create account"'}}},
+}
+
+
+@dataclass(frozen=True)
+class CuaS1Context:
+    """What ``finish`` needs: the validated request and each question's prompt length."""
+
+    request: ChoiceRequest
+    prompt_tokens: tuple[int, ...]   # one per question (= work item), in request order
+
+
+def choice_answer(question: ChoiceQuestion, logits: np.ndarray, temperature: float) -> dict[str, Any]:
+    """The answer from the letter logits of one prompt (slot order, at least n of them)."""
+    n = len(question.keys)
+    p = np.empty(n, dtype=np.float32)
+    p[list(question.slot_order)] = softmax(np.asarray(logits, dtype=np.float32)[:n] / np.float32(temperature))
+    best = int(p.argmax())  # the first of equal maxima
+    return {
+        "type": "choice",
+        "choice": question.keys[best],
+        "probabilities": {key: round(float(v), _DECIMALS) for key, v in zip(question.keys, p)},
+        "confidence": round(_entropy_confidence(p, n), _DECIMALS),
+        "answer_confidence": round(min(1.0, max(0.0, float(p[best]))), _DECIMALS),
+    }
+
+
+class CuaS1Processor:
+    """Validates and tokenizes Cua-S1 choices and decodes the letter head's logits."""
+
+    def __init__(self, bundles: Mapping[int, VerifiedBundle], *, limits: RequestLimits = CUA_S1_LIMITS) -> None:
+        if len(bundles) != 1:
+            raise ValueError(f"the Cua-S1 pipeline has one graph stage (the letter head), so it takes one bundle; "
+                             f"got stages {sorted(bundles)}")
+        (self._bundle,) = bundles.values()
+        where = self._bundle.manifest_path
+        if self._bundle.manifest.component != COMPONENT:
+            raise ValueError(f"{where}: component {self._bundle.manifest.component!r} is not a {COMPONENT} bundle")
+        if limits.max_choice_options > len(LETTERS):
+            raise ValueError(f"max_choice_options {limits.max_choice_options} exceeds the {len(LETTERS)} answer letters")
+        metadata = self._bundle.manifest.metadata
+        layout = metadata.layout or {}
+        for key in ("backbone_dir", "max_model_len", "letter_token_ids", "prompt_template_file"):
+            if key not in layout:
+                raise ValueError(f"{where}: layout has no {key!r}")
+        if layout.get("head_outputs") != [OUTPUT_NAME]:
+            raise ValueError(f"{where}: layout head_outputs {layout.get('head_outputs')!r} is not [{OUTPUT_NAME!r}]")
+        tokenizer = Tokenizer.from_file(str(self._bundle.file(f"{layout['backbone_dir']}/tokenizer.json")))
+        if letter_token_ids(tokenizer) != layout["letter_token_ids"]:
+            raise ValueError(f"{where}: layout letter_token_ids {layout['letter_token_ids']} are not the "
+                             f"tokenizer's ids of A..Z")
+        template_path = self._bundle.file(layout["prompt_template_file"])
+        self._prompter = ChatPrompter(PromptTemplate.load(template_path), tokenizer)
+        self._max_model_len = layout["max_model_len"]
+        calibration = metadata.calibration or {}
+        self._temperature = calibration.get("temperature", 1.0)
+        if isinstance(self._temperature, bool) or not isinstance(self._temperature, (int, float)) \
+                or not self._temperature > 0:
+            raise ValueError(f"{where}: calibration temperature must be a positive number, got {self._temperature!r}")
+        self._limits = limits
+        self._audit = {
+            "model_hash": self._bundle.manifest_sha256,
+            "checkpoint_revision": metadata.checkpoint_revision,
+            "calibration_version": calibration.get("version", ""),
+            "prompt_template_sha256": self._bundle.manifest.files[layout["prompt_template_file"]],
+            "precision": metadata.precision,
+        }
+
+    def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
+        """Validate the whole request, then tokenize one prompt per question."""
+        choice = parse_choice_request(request, self._limits)
+        work, lengths = [], []
+        for question in choice.questions:
+            labels = [question.labels[i] for i in question.slot_order]
+            ids = self._prompter.encode(question.goal, choice.state_text, labels)
+            if len(ids) > self._max_model_len:
+                raise RequestTooLarge(f"questions.{question.qid}",
+                                      f"its prompt is {len(ids)} tokens, over the backbone's max_model_len "
+                                      f"{self._max_model_len}; shorten the state, instructions or options")
+            work.append({"prompt_token_ids": np.asarray(ids, dtype=np.int64),
+                         "prompt_lengths": np.asarray([len(ids)], dtype=np.int64)})
+            lengths.append(len(ids))
+        return PreparedRequest(work=tuple(work), context=CuaS1Context(request=choice, prompt_tokens=tuple(lengths)))
+
+    def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict:
+        """The response: each question answered on its own prompt's letter logits."""
+        context: CuaS1Context = prepared.context
+        if len(outputs) != len(prepared.work):
+            raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per question), got {len(outputs)}")
+        questions = context.request.questions
+        answers = {}
+        for item, (question, output) in enumerate(zip(questions, outputs)):
+            if OUTPUT_NAME not in output:
+                raise ProcessorOutputInvalid(f"output {item} has no {OUTPUT_NAME!r} (got {sorted(output)})")
+            logits = np.asarray(output[OUTPUT_NAME])
+            if logits.shape != (1, len(LETTERS)):
+                raise ProcessorOutputInvalid(f"output {item} {OUTPUT_NAME!r} has shape {logits.shape}, "
+                                             f"expected (1, {len(LETTERS)})")
+            answers[question.qid] = choice_answer(question, logits[0], self._temperature)
+        return {
+            "model": context.request.model or DEFAULT_MODEL_NAME,
+            "answers": answers,
+            "usage": {"input_tokens": sum(context.prompt_tokens), "output_tokens": 0},
+            "audit": {"input_tokens": {q.qid: n for q, n in zip(questions, context.prompt_tokens)}},
+        }
+
+    def warmup_request(self) -> dict:
+        """A three-option sign-up decision (a fresh copy each time)."""
+        return copy.deepcopy(WARMUP_REQUEST)
+
+    def audit(self) -> dict:
+        """The bundle, checkpoint, calibration, prompt template and precision that produce the answers."""
+        return dict(self._audit)
