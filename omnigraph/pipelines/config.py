@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+# Why: past a few milliseconds, waiting for batch-mates costs more latency than batching saves.
+MAX_BATCH_WAIT_US = 100_000
 
 
 class PipelineConfigError(ValueError):
@@ -39,7 +41,13 @@ class StagePipelineConfig:
     `custom_process_input_func` turns those outputs into this stage's inputs (`{"tensors": ...}`);
     without it, outputs pass on by name. Exactly one stage of a pipeline is its `final_output`.
     `max_batch_rows` > 1 lets a graph stage merge queued work items of different requests into one
-    call of at most that many rows (axis 0); 1 (the default) runs each work item alone.
+    call of at most that many rows (axis 0); 1 (the default) runs each work item alone. Where set,
+    `max_batch_tokens`, `max_batch_markers` and `max_batch_bytes` bound the call's padded tokens
+    (rows x length), marker slots (rows x slots) and input bytes; `batch_wait_us` is how long a
+    free replica waits for more work (None: the engine's measured default). `batch_adapter` names
+    the model's `BatchAdapter` class (constructed with the stage's bundle), which groups, packs and
+    unpacks its work items (None: items identical except along axis 0 are concatenated). The deploy
+    YAML's `batching:` overrides each limit per stage.
     """
 
     stage_id: int
@@ -50,6 +58,11 @@ class StagePipelineConfig:
     final_output_type: str | None = None
     custom_process_input_func: str | None = None
     max_batch_rows: int = 1
+    max_batch_tokens: int | None = None
+    max_batch_markers: int | None = None
+    max_batch_bytes: int | None = None
+    batch_wait_us: int | None = None
+    batch_adapter: str | None = None
 
     def __post_init__(self) -> None:
         where = f"stage {self.stage_id!r}"
@@ -77,8 +90,18 @@ class StagePipelineConfig:
         if not self.final_output and self.final_output_type is not None:
             raise PipelineConfigError(f"{where}: final_output_type is set but the stage is not a final_output")
         check_dotted(self.custom_process_input_func, f"{where}: custom_process_input_func")
-        if not isinstance(self.max_batch_rows, int) or isinstance(self.max_batch_rows, bool) or self.max_batch_rows < 1:
-            raise PipelineConfigError(f"{where}: max_batch_rows must be an int >= 1, got {self.max_batch_rows!r}")
+        check_dotted(self.batch_adapter, f"{where}: batch_adapter")
+        for name, minimum, optional in (("max_batch_rows", 1, False), ("max_batch_tokens", 1, True),
+                                        ("max_batch_markers", 1, True), ("max_batch_bytes", 1, True),
+                                        ("batch_wait_us", 0, True)):
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise PipelineConfigError(f"{where}: {name} must be an int >= {minimum}"
+                                          f"{' or None' if optional else ''}, got {value!r}")
+        if self.batch_wait_us is not None and self.batch_wait_us > MAX_BATCH_WAIT_US:
+            raise PipelineConfigError(f"{where}: batch_wait_us must be <= {MAX_BATCH_WAIT_US}, got {self.batch_wait_us}")
 
 
 @dataclass(frozen=True)
