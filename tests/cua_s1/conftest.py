@@ -55,3 +55,23 @@ def cua_processor(cua_bundle: VerifiedBundle):
     from omnigraph.pipelines.cua_s1.processor import CuaS1Processor
 
     return CuaS1Processor({1: cua_bundle})
+
+
+def reference_letter_probabilities(model, prompt_ids: list[int], letter_ids: list[int], n: int):
+    """The transformers + NumPy reference: the causal LM's own logits of the first n letters at
+    the last prompt position, softmaxed in float64."""
+    import numpy as np
+    import torch
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_ids])).logits[0, -1, letter_ids[:n]].double().numpy()
+    p = np.exp(logits - logits.max())
+    return p / p.sum()
+
+
+def reference_hidden_state(model, prompt_ids: list[int]):
+    """transformers' final-norm hidden state at the last prompt position, float32 [H]."""
+    import torch
+
+    with torch.no_grad():
+        return model.model(torch.tensor([prompt_ids])).last_hidden_state[0, -1].float().numpy()
