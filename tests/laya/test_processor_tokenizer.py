@@ -39,9 +39,11 @@ def test_encodes_as_the_transformers_tokenizer(laya_tiny_bundle, tmp_path, chang
     mask = reference.mask_token
     for text in TEXTS:
         assert tokenizer.encode(text) == reference(text.replace(mask, " "), add_special_tokens=False)["input_ids"]
-        assert tokenizer.encode_options([text]) == [reference(
-            " " + text.replace(mask, " "), add_special_tokens=False, truncation=True,
-            max_length=OPTION_TOKEN_LIMIT)["input_ids"]]
+        assert list(tokenizer.encode_head(text)) == tokenizer.encode(text)
+        for _ in range(2):  # the second time from the memo
+            assert [list(ids) for ids in tokenizer.encode_options([text])] == [reference(
+                " " + text.replace(mask, " "), add_special_tokens=False, truncation=True,
+                max_length=OPTION_TOKEN_LIMIT)["input_ids"]]
     if "extra_special_tokens" in change or "additional_special_tokens" in change:
         assert len(tokenizer.encode("<extra>")) == 1  # registered as one special token
 
@@ -52,3 +54,22 @@ def test_a_config_naming_an_unknown_mask_token_is_refused(laya_tiny_bundle, tmp_
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="mask_token"):
         LayaTokenizer(laya_tiny_bundle.file("tokenizer.json"), tmp_path / "tokenizer_config.json")
+
+
+def test_the_memo_of_heads_and_options_stays_bounded(laya_tiny_bundle, monkeypatch):
+    """Heads and options are remembered, but only short ones, and the memo starts over once full;
+    what comes back is the same either way."""
+    from omnigraph.pipelines.laya import sequence
+
+    monkeypatch.setattr(sequence, "_MEMO_ENTRIES", 3)
+    monkeypatch.setattr(sequence, "_MEMO_MAX_CHARS", 20)
+    tokenizer = LayaTokenizer(laya_tiny_bundle.file("tokenizer.json"), laya_tiny_bundle.file("tokenizer_config.json"))
+    long_text = "refund " * 10
+    assert list(tokenizer.encode_head(long_text)) == tokenizer.encode(long_text)
+    assert tokenizer._memo == {}  # too long to keep
+    texts = ["billing", "support", "sales"]
+    first = tokenizer.encode_options(texts)
+    assert len(tokenizer._memo) == 3
+    # A remembered text and a new one: the memo is full, so it starts over with the new one.
+    assert tokenizer.encode_options(["billing", "refund"]) == [first[0], tuple(tokenizer.encode(" refund"))]
+    assert set(tokenizer._memo) == {" refund"}
