@@ -20,6 +20,13 @@ drifts from its documented layout fails the suite. `send` keys (all optional but
     truncate           {"keep": N} or {"drop": N}: only the first N bytes, or all but the last N,
                        are sent; the stream then ends
     extra_fds          N unreferenced memory files sent with the frame
+    header_format      "json" (default) or "binary": the binary header (feature binary_header,
+                       prefix magic MAGIC_BINARY); inline tensors only, laid out in order
+    binary             {field: value} written over the binary header's fixed fields: "type"
+                       (1 run, 2 result), "tensor_count", "stage_id", "epoch", "generation"
+    tensors[i].binary  {field: value} written over that tensor's binary fields: "dtype_code",
+                       "rank", "name_length", "nbytes"
+    header_extra       N zero bytes appended to the header (a header that is not consumed exactly)
 
 Session fields (request_id, stage_id, epoch, generation, instance) come from the caller.
 """
@@ -30,6 +37,7 @@ import array
 import json
 import os
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -37,7 +45,12 @@ import numpy as np
 
 from omnigraph.conformance.suite import FixtureInvalid
 from omnigraph.conformance.tensors import tensor_from_spec
-from omnigraph.workers.wire import MAGIC, PREFIX, TENSOR_ALIGNMENT, WIRE_VERSION
+from omnigraph.workers.wire import MAGIC, MAGIC_BINARY, PREFIX, TENSOR_ALIGNMENT, WIRE_DTYPES, WIRE_VERSION
+
+# The binary header's layout, restated from the wire docstring (not imported from the codec).
+_BINARY_FIXED = struct.Struct("<BBHHQQQ")
+_BINARY_TENSOR = struct.Struct("<BBHQ")
+_BINARY_TYPES = {"run": 1, "result": 2}
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,7 @@ class BuiltFrame:
 def build_frame(send: Mapping[str, Any], *, session: Mapping[str, Any], where: str) -> BuiltFrame:
     """The bytes of the case's frame; `session` gives request_id, stage_id, epoch, generation, instance."""
     descriptors: list[dict[str, Any]] = []
+    binary_fields: list[dict[str, Any]] = []  # per tensor: overrides of its binary header fields
     payload = bytearray()
     shm: list[bytes] = []
     arrays: dict[str, np.ndarray] = {}
@@ -71,14 +85,22 @@ def build_frame(send: Mapping[str, Any], *, session: Mapping[str, Any], where: s
         else:
             raise FixtureInvalid(f"{where} tensor #{index}: transport must be 'inline' or 'shm', got {transport!r}")
         descriptor.update(spec.get("descriptor", {}))
+        binary_fields.append(spec.get("binary", {}))
         for key in spec.get("descriptor_remove", []):
             descriptor.pop(key, None)
         descriptors.append(descriptor)
     shm += [b"\0" * TENSOR_ALIGNMENT] * send.get("extra_fds", 0)
     payload += bytes(send.get("payload_extra", 0))
-    header_bytes = _header_bytes(send, session, descriptors)
+    header_format = send.get("header_format", "json")
+    if header_format == "binary":
+        header_bytes = _binary_header_bytes(send, session, descriptors, binary_fields, where=where)
+    elif header_format == "json":
+        header_bytes = _header_bytes(send, session, descriptors)
+    else:
+        raise FixtureInvalid(f"{where}: header_format must be 'json' or 'binary', got {header_format!r}")
+    header_bytes += bytes(send.get("header_extra", 0))
     fields = {
-        "magic": MAGIC,
+        "magic": MAGIC_BINARY if header_format == "binary" else MAGIC,
         "version": WIRE_VERSION,
         "flags": 0,
         "header_length": len(header_bytes),
@@ -165,3 +187,25 @@ def _header_bytes(send: Mapping[str, Any], session: Mapping[str, Any], descripto
     for key in send.get("header_remove", []):
         header.pop(key, None)
     return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _binary_header_bytes(send: Mapping[str, Any], session: Mapping[str, Any], descriptors: list[dict[str, Any]],
+                         binary_fields: list[dict[str, Any]], *, where: str) -> bytes:
+    """The binary header of the wire docstring, from the case's descriptors and overrides."""
+    if any("fd" in d for d in descriptors):
+        raise FixtureInvalid(f"{where}: a binary header carries inline tensors only")
+    request_id, instance = str(session["request_id"]).encode(), str(session["instance"]).encode()
+    fixed = {"type": _BINARY_TYPES.get(send.get("message", "run"), 0), "tensor_count": len(descriptors),
+             "stage_id": session["stage_id"], "epoch": session["epoch"], "generation": session["generation"]}
+    fixed.update(send.get("binary", {}))
+    parts = [_BINARY_FIXED.pack(fixed["type"], fixed["tensor_count"], len(request_id), len(instance), fixed["stage_id"],
+                                fixed["epoch"], fixed["generation"]), request_id, instance]
+    codes = {name: code for code, name in enumerate(WIRE_DTYPES)}
+    for descriptor, overrides in zip(descriptors, binary_fields):
+        name = descriptor["name"].encode()
+        fields = {"dtype_code": codes.get(descriptor["dtype"], 255), "rank": len(descriptor["shape"]),
+                  "name_length": len(name), "nbytes": descriptor["nbytes"]}
+        fields.update(overrides)
+        parts += [_BINARY_TENSOR.pack(fields["dtype_code"], fields["rank"], fields["name_length"], fields["nbytes"]),
+                  struct.pack(f"<{len(descriptor['shape'])}Q", *descriptor["shape"]), name]
+    return b"".join(parts)

@@ -123,6 +123,8 @@ class _GraphBundles:
 def _check_worker(case: Case, session: Any, bundles: _GraphBundles, setup: Mapping[str, Any]) -> None:
     _targets_allow(case, "worker")
     send = case.send
+    if send.get("header_format") == "binary" and wire.FEATURE_BINARY_HEADER not in session.features:
+        raise CaseSkipped(f"the worker's hello does not announce {wire.FEATURE_BINARY_HEADER!r}")
     graph = send.get("graph", setup.get("default_graph"))
     if graph is None:
         if session.loaded is not None:

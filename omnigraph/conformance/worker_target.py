@@ -72,6 +72,7 @@ class WorkerTargetSession:
         )
         self.generation = GENERATION
         self.instance = ""
+        self.features: tuple[str, ...] = ()  # what the hello announced
         self.epoch = 0  # the lowest epoch the runner may still use (it only ever grows)
         self.loaded: str | None = None  # which bundle (by the caller's key) the worker holds
         self._process: subprocess.Popen | None = None
@@ -109,6 +110,7 @@ class WorkerTargetSession:
         hello = self._receive(START_TIMEOUT_S)
         if hello.closed or hello.type != "hello":
             raise WorkerStartError(f"the worker's first frame is not a hello ({hello}){self._log_tail()}")
+        self.features = tuple(hello.body.get("features", ()))
         if hello.body.get("instance") != self.instance or not self.instance:
             raise WorkerStartError(
                 f"hello body instance {hello.body.get('instance')!r} disagrees with its header instance {self.instance!r}"

@@ -72,6 +72,8 @@ class WorkerClient:
         self.route = route
         self.generation = generation
         self.hello = hello
+        # run frames use the binary header where the worker reads it (its hello says so)
+        self._binary_header = wire.FEATURE_BINARY_HEADER in hello.features
         self._process = process
         self._sock = sock
         self._private_dir = private_dir
@@ -223,7 +225,8 @@ class WorkerClient:
             if epoch < self._min_epoch:
                 raise wire.StaleEpoch(f"epoch {epoch} is below the fenced epoch {self._min_epoch}")
             frame, _, arrays = self._send_and_receive(
-                "run", expect="result", tensors=inputs, request_id=request_id, stage_id=stage_id, epoch=epoch, timeout=timeout
+                "run", expect="result", tensors=inputs, request_id=request_id, stage_id=stage_id, epoch=epoch,
+                timeout=timeout, binary=self._binary_header,
             )
             if frame.epoch < self._min_epoch:
                 raise wire.StaleEpoch(f"reply for epoch {frame.epoch} discarded: fenced at {self._min_epoch}")
@@ -262,13 +265,15 @@ class WorkerClient:
             self._call_lock.release()
 
     def _send(self, msg_type: str, *, request_id: str = "", stage_id: int = 0, epoch: int | None = None,
-              body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None) -> None:
+              body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None,
+              binary: bool = False) -> None:
         with self._send_lock:
             wire.send_frame(
                 self._sock, msg_type, request_id=request_id, stage_id=stage_id,
                 epoch=self._min_epoch if epoch is None else epoch,
                 generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
                 max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
+                binary=binary,
             )
 
     def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",

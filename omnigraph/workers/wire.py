@@ -39,6 +39,22 @@ with body ``{"code", "message"}``, plus ``"report"`` (a placement report) for pl
     fence  (epoch in the header)   -> no answer: the worker refuses lower epochs from then on
     close  {}                      -> closing, then the worker exits 0
 
+Binary header (feature ``"binary_header"``, which the worker announces in its hello; the
+controller uses it only then): the fast path of ``run`` and ``result``, no JSON to write or parse.
+Its prefix has the magic MAGIC_BINARY instead of MAGIC (same layout otherwise); the header is::
+
+    fixed    struct "<BBHHQQQ": message type (1 run, 2 result), tensor count, request id length,
+             instance length (UTF-8 bytes), stage_id, epoch, generation
+    strings  the request id, then the instance (UTF-8)
+    tensors  per tensor: struct "<BBHQ" dtype code (the index in WIRE_DTYPES' order), rank, name
+             length, nbytes; then rank dims (u64 each); then the name (UTF-8)
+
+The header is consumed exactly (a byte left over, or missing, is malformed_header). Tensors lie
+inline only, in descriptor order, each at the next 64-byte aligned offset of the payload (so there
+are no offsets to check), and the payload is exactly their aligned sum. Every other check and code
+is the JSON header's; the body is {} and no feature is required. A message that does not fit (a
+body, another type, a tensor for shared memory) is sent with the JSON header.
+
 Shared memory: a tensor of at least the sender's threshold (SHM_THRESHOLD_BYTES, 128 MiB, unless
 the route's ``shm_threshold_bytes`` says otherwise) goes in an anonymous memory file
 (``memfd_create``) whose descriptor travels with the frame as SCM_RIGHTS ancillary data on the Unix
@@ -56,7 +72,8 @@ Every check runs on the prefix and the header before a byte of payload is read o
 
 Error codes (``WireError.code``, stable):
 
-    bad_magic                 the prefix does not start with MAGIC, or flags/reserved are not 0
+    bad_magic                 the prefix does not start with MAGIC or MAGIC_BINARY, or
+                              flags/reserved are not 0
     unsupported_version       the prefix or header version is not WIRE_VERSION
     header_too_large          header length above MAX_HEADER_BYTES (or zero)
     payload_too_large         payload length, or the bytes of all tensors, above the route's cap
@@ -95,6 +112,7 @@ if sys.byteorder != "little":  # the payload is little-endian raw memory
     raise ImportError("the omnigraph wire needs a little-endian host")
 
 MAGIC = b"OGWF"
+MAGIC_BINARY = b"OGWB"  # the same prefix, followed by the binary header
 WIRE_VERSION = 1
 PREFIX = struct.Struct("<4sHHIQI")
 PREFIX_BYTES = PREFIX.size
@@ -131,7 +149,9 @@ MESSAGE_TYPES = frozenset(
      "closing", "error"}
 )
 FEATURE_SHM_FD = "shm_fd"
-FEATURES = frozenset({FEATURE_SHM_FD})
+FEATURE_BINARY_HEADER = "binary_header"
+FEATURES = frozenset({FEATURE_SHM_FD, FEATURE_BINARY_HEADER})
+BINARY_MESSAGE_TYPES = ("run", "result")  # binary type code = index + 1
 
 # Wire dtype name -> numpy dtype used to view it (bfloat16 travels as its raw uint16 bits).
 WIRE_DTYPES: dict[str, np.dtype] = {
@@ -147,6 +167,11 @@ WIRE_DTYPES: dict[str, np.dtype] = {
     "float64": np.dtype(np.float64),
 }
 _NUMPY_TO_WIRE = {dtype: name for name, dtype in WIRE_DTYPES.items() if name != "bfloat16"}
+_DTYPE_NAMES = tuple(WIRE_DTYPES)  # binary dtype code -> wire name
+_DTYPE_CODES = {name: code for code, name in enumerate(_DTYPE_NAMES)}
+_BINARY_FIXED = struct.Struct("<BBHHQQQ")
+_BINARY_TENSOR = struct.Struct("<BBHQ")
+_BINARY_DIMS = tuple(struct.Struct(f"<{rank}Q") for rank in range(MAX_RANK + 1))
 _HEADER_KEYS = frozenset(
     {"v", "type", "request_id", "stage_id", "epoch", "generation", "instance",
      "features_required", "tensors", "body"}
@@ -277,6 +302,7 @@ class Frame:
     body: dict[str, Any]
     payload_nbytes: int
     fds: tuple[int, ...]
+    binary: bool  # it came with the binary header (a reply may use it too)
 
 
 def _reject_constant(name: str) -> Any:
@@ -380,11 +406,14 @@ def send_frame(
     tensors: Mapping[str, np.ndarray] | None = None,
     max_payload_bytes: int,
     shm_threshold_bytes: int = SHM_THRESHOLD_BYTES,
+    binary: bool = False,
 ) -> None:
     """Encode and send one frame with a single ``sendmsg`` (no copy of inline tensors).
 
-    Refuses (before sending anything) what the receiver would refuse: an unknown dtype, too many
-    tensors, tensors whose bytes add up beyond ``max_payload_bytes``.
+    ``binary`` asks for the binary header (only where the peer announced ``binary_header``); a
+    message it cannot carry goes with the JSON header. Refuses (before sending anything) what the
+    receiver would refuse: an unknown dtype, too many tensors, tensors whose bytes add up beyond
+    ``max_payload_bytes``.
     """
     opening = _HEADER_OPENINGS.get(msg_type)
     if opening is None:
@@ -394,7 +423,7 @@ def send_frame(
     tensors = tensors or {}
     if len(tensors) > MAX_TENSORS:
         raise TooManyTensors(f"{len(tensors)} tensors, at most {MAX_TENSORS}")
-    descriptors: list[str] = []
+    entries: list[tuple[str, str, tuple[int, ...], int, str]] = []  # name, dtype, shape, nbytes, location
     buffers: list[Any] = [b""]  # [0]: prefix + header, filled in below
     fds: list[int] = []
     total = 0
@@ -421,24 +450,55 @@ def send_frame(
                 if extent != nbytes:
                     buffers.append(_PADDING[: extent - nbytes])
                 offset += extent
-            descriptors.append(
-                f'{{"name":{_json_string(name)},"dtype":"{dtype}","shape":[{",".join(map(str, array.shape))}],'
-                f'"nbytes":{nbytes},{where}}}'
-            )
-        # The header's JSON, written field by field in the order and the compact form of
-        # json.dumps(header, separators=(",", ":")): no dict to build, no encoder to walk it.
-        header_bytes = (
-            f'{opening}{_json_string(request_id)},"stage_id":{stage_id},"epoch":{epoch},"generation":{generation},'
-            f'"instance":{_json_string(instance)},"features_required":{_SHM_FEATURES if fds else "[]"},'
-            f'"tensors":[{",".join(descriptors)}],"body":{_ENCODER.encode(body) if body else "{}"}}}'
-        ).encode()
+            entries.append((name, dtype, array.shape, nbytes, where))
+        if binary and not fds and not body and msg_type in BINARY_MESSAGE_TYPES:
+            magic = MAGIC_BINARY
+            header_bytes = _binary_header(msg_type, request_id, stage_id, epoch, generation, instance, entries)
+        else:
+            magic = MAGIC
+            header_bytes = _json_header(opening, request_id, stage_id, epoch, generation, instance, body, entries, bool(fds))
         if len(header_bytes) > MAX_HEADER_BYTES:
             raise HeaderTooLarge(f"header of {len(header_bytes)} bytes, at most {MAX_HEADER_BYTES}")
-        buffers[0] = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0) + header_bytes
+        buffers[0] = PREFIX.pack(magic, WIRE_VERSION, 0, len(header_bytes), offset, 0) + header_bytes
         _sendmsg_all(sock, buffers, len(buffers[0]) + offset, fds)
     finally:
         for fd in fds:
             os.close(fd)
+
+
+def _json_header(opening: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
+                 body: Mapping[str, Any] | None, entries: list[tuple[str, str, tuple[int, ...], int, str]],
+                 shm: bool) -> bytes:
+    """The header's JSON, written field by field in the order and the compact form of
+    json.dumps(header, separators=(",", ":")): no dict to build, no encoder to walk it."""
+    descriptors = ",".join(
+        f'{{"name":{_json_string(name)},"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],"nbytes":{nbytes},{where}}}'
+        for name, dtype, shape, nbytes, where in entries
+    )
+    return (
+        f'{opening}{_json_string(request_id)},"stage_id":{stage_id},"epoch":{epoch},"generation":{generation},'
+        f'"instance":{_json_string(instance)},"features_required":{_SHM_FEATURES if shm else "[]"},'
+        f'"tensors":[{descriptors}],"body":{_ENCODER.encode(body) if body else "{}"}}}'
+    ).encode()
+
+
+def _binary_string(value: str) -> bytes:
+    if type(value) is not str or len(value) > MAX_NAME_CHARS:
+        raise MalformedHeader(f"expected a string of at most {MAX_NAME_CHARS} characters, got {value!r}")
+    return value.encode()
+
+
+def _binary_header(msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
+                   entries: list[tuple[str, str, tuple[int, ...], int, str]]) -> bytes:
+    """The binary header of a run or result frame (layout in the module docstring)."""
+    rid, inst = _binary_string(request_id), _binary_string(instance)
+    parts = [_BINARY_FIXED.pack(BINARY_MESSAGE_TYPES.index(msg_type) + 1, len(entries), len(rid), len(inst),
+                                stage_id, epoch, generation), rid, inst]
+    for name, dtype, shape, nbytes, _ in entries:
+        encoded = _binary_string(name)
+        parts += (_BINARY_TENSOR.pack(_DTYPE_CODES[dtype], len(shape), len(encoded), nbytes),
+                  _BINARY_DIMS[len(shape)].pack(*shape), encoded)
+    return b"".join(parts)
 
 
 def _sendmsg_all(sock: socket.socket, buffers: list[Any], total: int, fds: list[int]) -> None:
@@ -585,6 +645,7 @@ def _validate_header(
         body=body,
         payload_nbytes=payload_len,
         fds=(),
+        binary=False,
     )
 
 
@@ -594,6 +655,111 @@ def _bad_dim(name: str, dim: Any) -> str:
     if dim < 0:
         return f"tensor {name!r} has a negative dim {dim}"
     return f"tensor {name!r} has a dim {dim} above {MAX_DIM}"
+
+
+def _check_name_and_dtype(name: Any, dtype: Any, names: set[str]) -> None:
+    """A descriptor's name (unique in its frame) and dtype, whichever header carried them."""
+    if type(name) is not str or not name or len(name) > MAX_NAME_CHARS:
+        raise MalformedHeader(f"tensor name must be a non-empty string of at most {MAX_NAME_CHARS} characters")
+    if name in names:
+        raise DuplicateTensorName(f"tensor {name!r} appears twice")
+    names.add(name)
+    if type(dtype) is not str or dtype not in WIRE_DTYPES:
+        raise UnknownDtype(f"tensor {name!r} has dtype {dtype!r}; allowed: {sorted(WIRE_DTYPES)}")
+
+
+def _check_shape_and_nbytes(name: str, dtype: str, shape: tuple[Any, ...], nbytes: Any) -> None:
+    """Rank and dims in bounds, and nbytes exactly prod(shape) * itemsize."""
+    if len(shape) > MAX_RANK:
+        raise BadShape(f"tensor {name!r} has rank {len(shape)}, at most {MAX_RANK}")
+    for dim in shape:
+        if type(dim) is not int or not 0 <= dim <= MAX_DIM:
+            raise BadShape(_bad_dim(name, dim))
+    expected = _prod(shape) * WIRE_DTYPES[dtype].itemsize
+    if type(nbytes) is not int or nbytes != expected:
+        raise ByteLengthMismatch(f"tensor {name!r}: nbytes {nbytes!r} but shape {list(shape)} of {dtype} is {expected} bytes")
+
+
+def _parse_binary_header(header: bytes | bytearray, payload_len: int, max_payload_bytes: int, fd_count: int) -> Frame:
+    """Validate a binary header (layout in the module docstring), like _parse_header does a JSON one."""
+    try:
+        return _read_binary_header(bytes(header), payload_len, max_payload_bytes, fd_count)
+    except WireError as exc:
+        exc.pending_payload_bytes = payload_len
+        raise
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise MalformedHeader(f"binary header unreadable: {exc}", pending_payload_bytes=payload_len) from None
+
+
+def _binary_text(header: bytes, start: int, length: int, what: str) -> str:
+    end = start + length
+    if end > len(header):
+        raise MalformedHeader(f"binary header ends inside the {what}")
+    text = header[start:end].decode("utf-8")
+    if len(text) > MAX_NAME_CHARS:
+        raise MalformedHeader(f"{what} must be at most {MAX_NAME_CHARS} characters")
+    return text
+
+
+def _read_binary_header(header: bytes, payload_len: int, max_payload_bytes: int, fd_count: int) -> Frame:
+    if fd_count:
+        raise BadShmReference(f"{fd_count} descriptors came with a binary-header frame, which carries tensors inline only")
+    type_code, count, id_length, instance_length, stage_id, epoch, generation = _BINARY_FIXED.unpack_from(header)
+    if not 1 <= type_code <= len(BINARY_MESSAGE_TYPES):
+        raise MalformedHeader(f"binary message type {type_code} is not one of 1 (run), 2 (result)")
+    position = _BINARY_FIXED.size
+    request_id = _binary_text(header, position, id_length, "request id")
+    position += id_length
+    instance = _binary_text(header, position, instance_length, "instance")
+    position += instance_length
+    section = (header[position:], count, max_payload_bytes)
+    checked = _checked_sections.get(section)
+    if checked is None:
+        checked = _checked_tensor_section(*section)
+        if len(_checked_sections) >= _CHECKED_SECTIONS_MAX:
+            _checked_sections.clear()
+        _checked_sections[section] = checked
+    tensors, inline_total = checked
+    if inline_total != payload_len:
+        raise ByteLengthMismatch(f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)")
+    return Frame(BINARY_MESSAGE_TYPES[type_code - 1], request_id, _checked_int("stage_id", stage_id),
+                 _checked_int("epoch", epoch), _checked_int("generation", generation), instance, (), tensors, {},
+                 payload_len, (), True)
+
+
+# Why: a stage sends the same few tensor layouts (names, dtypes, shapes) call after call, so the
+# validated descriptors of a binary header's tensor section are kept by its exact bytes and a
+# repeated section is not parsed again; bounded, since a peer chooses the shapes.
+_CHECKED_SECTIONS_MAX = 256
+_checked_sections: dict[tuple[bytes, int, int], tuple[tuple[TensorDescriptor, ...], int]] = {}
+
+
+def _checked_tensor_section(section: bytes, count: int, max_payload_bytes: int) -> tuple[tuple[TensorDescriptor, ...], int]:
+    """The descriptors of a binary header's tensor section and the payload bytes they take."""
+    if count > MAX_TENSORS:
+        raise TooManyTensors(f"{count} tensors, at most {MAX_TENSORS}")
+    tensors: list[TensorDescriptor] = []
+    names: set[str] = set()
+    position = offset = 0
+    for _ in range(count):
+        code, rank, name_length, nbytes = _BINARY_TENSOR.unpack_from(section, position)
+        position += _BINARY_TENSOR.size
+        if rank > MAX_RANK:
+            raise BadShape(f"tensor #{len(tensors)} has rank {rank}, at most {MAX_RANK}")
+        shape = _BINARY_DIMS[rank].unpack_from(section, position)
+        position += 8 * rank
+        name = _binary_text(section, position, name_length, "tensor name")
+        position += name_length
+        dtype = _DTYPE_NAMES[code] if code < len(_DTYPE_NAMES) else f"code {code}"
+        _check_name_and_dtype(name, dtype, names)
+        _check_shape_and_nbytes(name, dtype, shape, nbytes)
+        if offset + nbytes > max_payload_bytes:
+            raise PayloadTooLarge(f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})")
+        tensors.append(TensorDescriptor(name, dtype, shape, nbytes, offset, None))
+        offset += _align(nbytes)
+    if position != len(section):
+        raise MalformedHeader(f"binary header has {len(section) - position} bytes after its last tensor")
+    return tuple(tensors), offset
 
 
 def _validate_descriptors(
@@ -615,30 +781,12 @@ def _validate_descriptors(
             raise MalformedHeader(
                 f"a tensor descriptor needs name, dtype, shape, nbytes and one of offset/fd; got {sorted(desc)}"
             )
-        name = desc["name"]
-        if type(name) is not str or not name or len(name) > MAX_NAME_CHARS:
-            raise MalformedHeader(f"tensor name must be a non-empty string of at most {MAX_NAME_CHARS} characters")
-        if name in names:
-            raise DuplicateTensorName(f"tensor {name!r} appears twice")
-        names.add(name)
-        dtype = desc["dtype"]
-        if type(dtype) is not str or dtype not in WIRE_DTYPES:
-            raise UnknownDtype(f"tensor {name!r} has dtype {dtype!r}; allowed: {sorted(WIRE_DTYPES)}")
-        shape = desc["shape"]
+        name, dtype, shape, nbytes = desc["name"], desc["dtype"], desc["shape"], desc["nbytes"]
+        _check_name_and_dtype(name, dtype, names)
         if type(shape) is not list:
             raise BadShape(f"tensor {name!r} shape must be a list")
-        if len(shape) > MAX_RANK:
-            raise BadShape(f"tensor {name!r} has rank {len(shape)}, at most {MAX_RANK}")
-        for dim in shape:
-            if type(dim) is not int or not 0 <= dim <= MAX_DIM:
-                raise BadShape(_bad_dim(name, dim))
         shape_t = tuple(shape)
-        nbytes = desc["nbytes"]
-        expected = _prod(shape_t) * WIRE_DTYPES[dtype].itemsize
-        if type(nbytes) is not int or nbytes != expected:
-            raise ByteLengthMismatch(
-                f"tensor {name!r}: nbytes {nbytes!r} but shape {list(shape_t)} of {dtype} is {expected} bytes"
-            )
+        _check_shape_and_nbytes(name, dtype, shape_t, nbytes)
         total += nbytes
         if total > max_payload_bytes:
             raise PayloadTooLarge(f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})")
@@ -688,7 +836,7 @@ def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
     prefix, fds = _recv_prefix(sock)
     try:
         magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack(prefix)
-        if magic != MAGIC or flags != 0 or reserved != 0:
+        if magic not in (MAGIC, MAGIC_BINARY) or flags != 0 or reserved != 0:
             raise BadMagic(f"prefix {prefix[:4]!r} flags {flags} reserved {reserved}: not an omnigraph frame")
         if version != WIRE_VERSION:
             raise UnsupportedVersion(f"wire version {version}, this side speaks {WIRE_VERSION}")
@@ -702,7 +850,10 @@ def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
             buffer[: len(header_bytes)] = header_bytes
             _recv_exact_into(sock, memoryview(buffer)[len(header_bytes):])
             header_bytes = buffer
-        frame = _parse_header(header_bytes, version, payload_len, max_payload_bytes, len(fds))
+        if magic == MAGIC_BINARY:
+            frame = _parse_binary_header(header_bytes, payload_len, max_payload_bytes, len(fds))
+        else:
+            frame = _parse_header(header_bytes, version, payload_len, max_payload_bytes, len(fds))
         for desc in frame.tensors:
             if desc.fd is not None:
                 size = os.fstat(fds[desc.fd]).st_size

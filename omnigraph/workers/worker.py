@@ -175,7 +175,8 @@ class GraphWorker:
         return stats
 
     def _reply(self, frame: wire.Frame, msg_type: str, *, body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None) -> None:
-        self._send(msg_type, request_id=frame.request_id, stage_id=frame.stage_id, epoch=frame.epoch, body=body, tensors=tensors)
+        self._send(msg_type, request_id=frame.request_id, stage_id=frame.stage_id, epoch=frame.epoch, body=body,
+                   tensors=tensors, binary=frame.binary)
 
     def _send_error(self, frame: wire.Frame | None, code: str, message: str, **extra: Any) -> None:
         body = {"code": code, "message": message, **extra}

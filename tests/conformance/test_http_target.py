@@ -52,10 +52,10 @@ def test_v1_decision_group_passes_against_omnigraph_serve(server_url: str, confo
     print(report.format_table())
     assert report.ok, report.format_table()
     counts = report.counts()
-    cases = len(load_suite("v1").group("decision").cases)
-    assert counts["decision"] == {"passed": cases, "failed": 0, "skipped": 0}
+    suite = load_suite("v1")
+    assert counts["decision"] == {"passed": len(suite.group("decision").cases), "failed": 0, "skipped": 0}
     assert {group: row["skipped"] for group, row in counts.items() if group != "decision"} == {
-        "wire": 110, "manifest": 52, "ledger": 30, "placement": 22}
+        group: len(suite.group(group).cases) for group in ("wire", "manifest", "ledger", "placement")}
 
 
 def test_a_server_answering_wrong_statuses_fails_named_cases(server_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -266,3 +266,49 @@ def test_error_codes_are_stable():
     for code, cls in wire.WIRE_ERRORS.items():
         assert code in wire.__doc__, code
         assert issubclass(cls, wire.WireError)
+
+
+def test_binary_header_round_trip_and_fallbacks(pair):
+    """`binary=True` sends run/result frames with the binary header; anything it cannot carry
+    (a body, another message type, a tensor for shared memory) goes with the JSON header."""
+    a, b = pair
+    tensors = {"ids": np.arange(6, dtype=np.int64).reshape(2, 3), "mask": np.array([True, False]),
+               "x": np.linspace(0, 1, 5, dtype=np.float32)}
+    wire.send_frame(a, "run", request_id="r1", stage_id=2, epoch=5, generation=3, instance="abc",
+                    tensors=tensors, max_payload_bytes=CAP, binary=True)
+    frame, arrays = wire.recv_message(b, max_payload_bytes=CAP)
+    assert frame.binary and (frame.type, frame.request_id, frame.stage_id, frame.epoch, frame.generation,
+                             frame.instance, frame.body) == ("run", "r1", 2, 5, 3, "abc", {})
+    for name, array in tensors.items():
+        assert arrays[name].dtype == array.dtype and np.array_equal(arrays[name], array)
+
+    wire.send_frame(a, "result", body={"note": 1}, tensors=tensors, max_payload_bytes=CAP, binary=True)
+    wire.send_frame(a, "stats", max_payload_bytes=CAP, binary=True)
+    wire.send_frame(a, "run", tensors=tensors, max_payload_bytes=CAP, shm_threshold_bytes=16, binary=True)
+    for expected in ("result", "stats", "run"):
+        frame, _ = wire.recv_message(b, max_payload_bytes=CAP)
+        assert frame.type == expected and not frame.binary
+
+
+def test_a_remembered_binary_section_is_still_checked_against_its_frame(pair):
+    """Valid tensor sections are remembered by their bytes; a frame reusing one with a payload of
+    another length, or a section with one byte changed, is refused as if never seen."""
+    a, b = pair
+    wire.send_frame(a, "run", tensors={"x": np.zeros((2, 3), np.float32)}, max_payload_bytes=CAP, binary=True)
+    frame_bytes = b.recv(65536)  # the whole frame as sent
+    a.sendall(frame_bytes)
+    wire.recv_message(b, max_payload_bytes=CAP)  # accepted: its section is now remembered
+
+    magic, version, flags, header_len, payload_len, reserved = wire.PREFIX.unpack_from(frame_bytes)
+    longer = wire.PREFIX.pack(magic, version, flags, header_len, payload_len + 64, reserved)
+    a.sendall(longer + frame_bytes[wire.PREFIX_BYTES:] + bytes(64))
+    with pytest.raises(wire.ByteLengthMismatch) as refused:
+        wire.read_frame(b, max_payload_bytes=CAP)
+    wire.discard_payload(b, refused.value.pending_payload_bytes)
+
+    fixed = struct.calcsize("<BBHHQQQ")  # then the (empty) request id and instance, then the tensor
+    broken = bytearray(frame_bytes)
+    broken[wire.PREFIX_BYTES + fixed] = 250  # the tensor's dtype code
+    a.sendall(bytes(broken))
+    with pytest.raises(wire.UnknownDtype):
+        wire.read_frame(b, max_payload_bytes=CAP)
