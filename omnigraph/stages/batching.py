@@ -1,57 +1,142 @@
-"""Cross-request batching of a graph stage: its queue, what may share a call, merge and split.
+"""Cross-request batching of a graph stage: its queue, what may share a call, limits, statistics.
 
-A free replica takes the oldest queued work item and, when the stage declares `max_batch_rows` > 1,
-every other queued item compatible with it (same input names and dtypes, identical shapes except
-axis 0) while the rows fit. The merged inputs are concatenated along axis 0 for ONE worker call
-and every output is split back along axis 0, so each request only ever sees its own rows. That is
-only sound when every input and output leads with the same symbolic batch dim and nowhere else
-uses it: `batch_axis_problem` checks that once, from the loaded bundle's declared I/O.
+Every queued work item of a stage is bound for the same loaded bundle (one identity, precision and
+layout per stage), so what decides whether two items may share a worker call is the stage's
+*batch adapter*: its `group` of an item (e.g. Laya's length class: same input names and dtypes,
+sequence lengths within one power-of-two class) must match, and the packed call's padded size
+(`BatchShape`: rows, tokens, markers, bytes) must stay within the stage's `BatchLimits`, declared
+by the pipeline (`StagePipelineConfig.max_batch_*`) and overridable per stage in the deploy YAML
+(`batching:`). The adapter packs the items' inputs into one call (padding rows, lengths and marker
+slots to its buckets) and unpacks the outputs back to each item, so a request only ever sees its
+own rows. A model names its adapter by a dotted string (`StagePipelineConfig.batch_adapter`; the
+engine never imports a model); without one, `AxisZeroAdapter` merges items whose inputs are
+identical except along axis 0. Both are only sound when the graph's every input and output leads
+with one symbolic batch dim used nowhere else: `batch_axis_problem` checks that once, from the
+loaded bundle's declared I/O.
+
+A free replica takes the oldest queued item, gathers every compatible item that fits, and while
+the call is not full waits up to `wait_us` after that for more to arrive (`DEFAULT_BATCH_WAIT_US`).
 """
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections import deque
 from collections.abc import Mapping, Sequence
-from typing import Any, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Hashable, Protocol
 
 import numpy as np
 
 from omnigraph.workers.reports import LoadReport, TensorSpec
 
+if TYPE_CHECKING:
+    from omnigraph.pipelines.config import StagePipelineConfig
+    from omnigraph.pipelines.deploy import BatchingConfig
+
 STOP = object()  # queued once per serving replica at shutdown
 
+# Why 500: measured with benchmarks/throughput.py on the `small` checkpoint, 2-core CPU
+# (see `DEFAULT_BATCH_WAIT_US` in the report of issue 9 and README): closed-loop clients resubmit
+# within a few hundred microseconds of their answers, so a free replica that waits this long
+# gathers them into one call; longer waits add latency at low concurrency without larger batches.
+DEFAULT_BATCH_WAIT_US = 500
 
-def batch_key(tensors: Mapping[str, np.ndarray]) -> tuple[int, Hashable] | None:
-    """(rows, what must match) of a work item, or None when its inputs disagree on axis 0."""
-    rows = None
-    parts = []
-    for name in sorted(tensors):
-        array = tensors[name]
-        if array.ndim == 0 or (rows is not None and array.shape[0] != rows):
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The padded size of one packed call, which the stage's limits bound, and its real content."""
+
+    rows: int              # rows of the packed call (axis 0, padding included)
+    tokens: int            # rows x padded sequence length (0 for a graph without a sequence axis)
+    markers: int           # rows x padded marker slots (0 for a graph without markers)
+    bytes: int             # bytes of every packed input
+    real_rows: int         # rows that belong to a request
+    real_tokens: int       # tokens that belong to a request (attention mask set)
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What one queued item adds to a call; items combine by adding rows and tokens and taking
+    the widest length, marker count and row size (`combine`)."""
+
+    rows: int
+    tokens: int = 0        # real tokens of its rows
+    length: int = 0        # the sequence length its rows are padded to
+    markers: int = 0       # marker slots per row
+    row_bytes: int = 0     # input bytes per row at its own shape
+
+    def combine(self, other: Footprint) -> Footprint:
+        return Footprint(self.rows + other.rows, self.tokens + other.tokens, max(self.length, other.length),
+                         max(self.markers, other.markers), max(self.row_bytes, other.row_bytes))
+
+
+class BatchAdapter(Protocol):
+    """A model's knowledge of how its work items share a call (constructed with the stage's bundle)."""
+
+    def group(self, tensors: Mapping[str, np.ndarray]) -> Hashable | None:
+        """Items of equal groups may share a call; None: this item always runs alone."""
+
+    def footprint(self, tensors: Mapping[str, np.ndarray]) -> Footprint:
+        """The item's size as the limits count it (called once, when it is queued)."""
+
+    def padded(self, total: Footprint) -> BatchShape:
+        """The packed call's size for items whose footprints combine to `total`."""
+
+    def pack(self, items: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """One call's inputs for `items`, in order, padded to the adapter's buckets."""
+
+    def unpack(self, outputs: Mapping[str, np.ndarray],
+               items: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """Each item's outputs, shaped as if it had run alone (copies: no item keeps another's rows)."""
+
+
+def _leading_rows(tensors: Mapping[str, np.ndarray]) -> int | None:
+    """The rows every input shares along axis 0, or None when they disagree (or one is a scalar)."""
+    rows = {array.shape[0] if array.ndim else None for array in tensors.values()}
+    return rows.pop() if len(rows) == 1 and None not in rows else None
+
+
+class AxisZeroAdapter:
+    """The default: items whose inputs agree in names, dtypes and every axis but the first are
+    concatenated along axis 0, and outputs are split back by rows. Nothing is padded."""
+
+    def group(self, tensors: Mapping[str, np.ndarray]) -> Hashable | None:
+        if _leading_rows(tensors) is None:
             return None
-        rows = array.shape[0]
-        parts.append((name, array.dtype.str, array.shape[1:]))
-    return (rows, tuple(parts)) if rows is not None else None
+        return tuple((name, tensors[name].dtype.str, tensors[name].shape[1:]) for name in sorted(tensors))
+
+    def footprint(self, tensors: Mapping[str, np.ndarray]) -> Footprint:
+        rows = _leading_rows(tensors) or 0
+        row_bytes = sum(array.nbytes // rows for array in tensors.values()) if rows else 0
+        return Footprint(rows=rows, row_bytes=row_bytes)
+
+    def padded(self, total: Footprint) -> BatchShape:
+        return BatchShape(rows=total.rows, tokens=0, markers=0, bytes=total.rows * total.row_bytes,
+                          real_rows=total.rows, real_tokens=0)
+
+    def pack(self, items: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        if len(items) == 1:
+            return dict(items[0])
+        return {name: np.concatenate([item[name] for item in items]) for name in items[0]}
+
+    def unpack(self, outputs: Mapping[str, np.ndarray],
+               items: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        if len(items) == 1:
+            return [dict(outputs)]
+        return split_rows(outputs, [_leading_rows(item) or 0 for item in items])
 
 
-def merge_inputs(items: Sequence[Any]) -> dict[str, np.ndarray]:
-    """The items' inputs concatenated along axis 0, in item order."""
-    first = items[0].tensors
-    if len(items) == 1:
-        return dict(first)
-    return {name: np.concatenate([item.tensors[name] for item in items]) for name in first}
-
-
-def split_outputs(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[str, np.ndarray]]:
-    """Each item's share of a merged call's outputs (copies: no request holds another's rows)."""
-    if len(rows) == 1:
-        return [dict(outputs)]
+def split_rows(outputs: Mapping[str, np.ndarray], rows: Sequence[int]) -> list[dict[str, np.ndarray]]:
+    """Each item's share of a merged call's outputs: consecutive `rows` along axis 0 (copies);
+    rows past their sum (padding) are dropped."""
     total = sum(rows)
     for name, array in outputs.items():
-        if array.ndim == 0 or array.shape[0] != total:
-            raise ValueError(f"output {name!r} has shape {list(array.shape)}; a merged call of {total} rows needs axis 0 = {total}")
+        if array.ndim == 0 or array.shape[0] < total:
+            raise ValueError(f"output {name!r} has shape {list(array.shape)}; a merged call of {total} rows "
+                             f"needs axis 0 >= {total}")
     bounds = np.cumsum((0, *rows))
     return [{name: array[start:stop].copy() for name, array in outputs.items()}
             for start, stop in zip(bounds[:-1], bounds[1:])]
@@ -71,58 +156,196 @@ def batch_axis_problem(report: LoadReport) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class BatchLimits:
+    """What one call of a stage may hold: at most `max_rows` rows (1: every item runs alone) and,
+    where set, `max_tokens`, `max_markers`, `max_bytes` of its padded shape; a free replica waits
+    up to `wait_us` for more work while the call has room. An item beyond a limit on its own still
+    runs (alone): limits bound merging, the processor bounds a request. Built by `for_stage` from
+    values the pipeline declaration and the deploy YAML have already validated."""
+
+    max_rows: int = 1
+    max_tokens: int | None = None
+    max_markers: int | None = None
+    max_bytes: int | None = None
+    wait_us: int = DEFAULT_BATCH_WAIT_US
+
+    @classmethod
+    def for_stage(cls, declared: StagePipelineConfig, deployed: BatchingConfig) -> BatchLimits:
+        """The deploy YAML's `batching:` values over the pipeline's declared ones."""
+        def pick(name: str) -> Any:
+            value = getattr(deployed, name)
+            return getattr(declared, name) if value is None else value
+
+        wait = pick("batch_wait_us")
+        return cls(max_rows=pick("max_batch_rows"), max_tokens=pick("max_batch_tokens"),
+                   max_markers=pick("max_batch_markers"), max_bytes=pick("max_batch_bytes"),
+                   wait_us=DEFAULT_BATCH_WAIT_US if wait is None else wait)
+
+    def admits(self, shape: BatchShape) -> bool:
+        """True when a call of `shape` is within every limit."""
+        return (shape.rows <= self.max_rows
+                and (self.max_tokens is None or shape.tokens <= self.max_tokens)
+                and (self.max_markers is None or shape.markers <= self.max_markers)
+                and (self.max_bytes is None or shape.bytes <= self.max_bytes))
+
+    def to_dict(self) -> dict[str, int | None]:
+        """The deploy YAML's keys and their values in force."""
+        return {"max_batch_rows": self.max_rows, "max_batch_tokens": self.max_tokens,
+                "max_batch_markers": self.max_markers, "max_batch_bytes": self.max_bytes,
+                "batch_wait_us": self.wait_us}
+
+
+class Queued:
+    """A queued work item with what batching reads of it (computed once, at `put`) and, once a
+    replica takes it, how long it waited."""
+
+    __slots__ = ("item", "group", "footprint", "queued_at", "waited_s")
+
+    def __init__(self, item: Any, group: Hashable | None, footprint: Footprint) -> None:
+        self.item = item
+        self.group = group
+        self.footprint = footprint
+        self.queued_at = time.monotonic()
+        self.waited_s = 0.0
+
+
+def combined(entries: Sequence[Queued]) -> Footprint:
+    """The footprint of a call holding `entries`."""
+    total = entries[0].footprint
+    for entry in entries[1:]:
+        total = total.combine(entry.footprint)
+    return total
+
+
 class StageQueue:
     """The stage's FIFO of work items, shared by its replicas; `take` hands out whole batches."""
 
-    def __init__(self, max_batch_rows: int = 1, batch_wait_us: int = 0) -> None:
-        self.max_batch_rows = max_batch_rows
-        self.batch_wait_s = batch_wait_us / 1e6
-        self._items: deque[Any] = deque()
+    def __init__(self, limits: BatchLimits, adapter: BatchAdapter) -> None:
+        self.limits = limits
+        self.adapter = adapter
+        self._entries: deque[Queued | object] = deque()
         self._ready = threading.Condition(threading.Lock())
 
     def put(self, item: Any) -> None:
+        entry = Queued(item, self.adapter.group(item.tensors), self.adapter.footprint(item.tensors))
         with self._ready:
-            self._items.append(item)
-            self._ready.notify()
+            self._entries.append(entry)
+            self._ready.notify_all()
+
+    def stop_one(self) -> None:
+        """Queue a shutdown marker: the replica that takes it stops serving."""
+        with self._ready:
+            self._entries.append(STOP)
+            self._ready.notify_all()
 
     def drain(self) -> list[Any]:
         """Remove and return every queued work item (shutdown markers stay)."""
         with self._ready:
-            items = [item for item in self._items if item is not STOP]
-            self._items = deque(item for item in self._items if item is STOP)
+            items = [entry.item for entry in self._entries if entry is not STOP]  # type: ignore[union-attr]
+            self._entries = deque(entry for entry in self._entries if entry is STOP)
             return items
 
-    def take(self) -> list[Any] | object:
-        """Block for the oldest entry: `STOP`, or a batch of work items led by it."""
+    def take(self) -> list[Queued] | object:
+        """Block for the oldest entry: `STOP`, or the entries of one call led by it."""
         with self._ready:
-            while not self._items:
+            while not self._entries:
                 self._ready.wait()
-            first = self._items.popleft()
+            first = self._entries.popleft()
             if first is STOP:
                 return STOP
-            if self.max_batch_rows <= 1:
-                return [first]
-            key = batch_key(first.tensors)
-            if key is None or key[0] >= self.max_batch_rows:
-                return [first]
-            batch, rows = [first], key[0]
-            deadline = time.monotonic() + self.batch_wait_s
-            while True:
-                rows = self._gather_locked(batch, rows, key[1])
-                remaining = deadline - time.monotonic()
-                if rows >= self.max_batch_rows or remaining <= 0:
-                    return batch
-                self._ready.wait(remaining)
+            batch: list[Queued] = [first]  # type: ignore[list-item]
+            total = first.footprint  # type: ignore[union-attr]
+            if self.limits.max_rows > 1 and first.group is not None:  # type: ignore[union-attr]
+                deadline = time.monotonic() + self.limits.wait_us / 1e6
+                while True:
+                    total = self._gather_locked(batch, total)
+                    remaining = deadline - time.monotonic()
+                    if total.rows >= self.limits.max_rows or remaining <= 0:
+                        break
+                    self._ready.wait(remaining)
+        now = time.monotonic()
+        for entry in batch:
+            entry.waited_s = now - entry.queued_at
+        return batch
 
-    def _gather_locked(self, batch: list[Any], rows: int, signature: Hashable) -> int:
-        """Move queued items matching `signature` into `batch` while the rows fit; the new row count."""
-        kept: deque[Any] = deque()
-        for item in self._items:
-            key = None if item is STOP or not item.is_live() else batch_key(item.tensors)
-            if key is not None and key[1] == signature and rows + key[0] <= self.max_batch_rows:
-                batch.append(item)
-                rows += key[0]
-            elif item is STOP or item.is_live():
-                kept.append(item)
-        self._items = kept
-        return rows
+    def _gather_locked(self, batch: list[Queued], total: Footprint) -> Footprint:
+        """Move queued items of the batch's group into it while the padded call stays within the
+        limits; cancelled items leave the queue unseen. The batch's combined footprint."""
+        group = batch[0].group
+        kept: deque[Queued | object] = deque()
+        for entry in self._entries:
+            if entry is STOP:
+                kept.append(entry)
+                continue
+            if not entry.item.is_live():  # type: ignore[union-attr]
+                continue
+            if entry.group == group:  # type: ignore[union-attr]
+                combined = total.combine(entry.footprint)  # type: ignore[union-attr]
+                if self.limits.admits(self.adapter.padded(combined)):
+                    batch.append(entry)  # type: ignore[arg-type]
+                    total = combined
+                    continue
+            kept.append(entry)
+        self._entries = kept
+        return total
+
+
+class _Histogram:
+    """Cumulative counts below fixed upper bounds, as Prometheus histograms export them."""
+
+    def __init__(self, bounds: Sequence[float]) -> None:
+        self.bounds = tuple(bounds)
+        self.counts = [0] * (len(self.bounds) + 1)  # the last: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def to_dict(self) -> dict[str, Any]:
+        cumulative = np.cumsum(self.counts).tolist()
+        return {"buckets": [[bound, count] for bound, count in zip((*self.bounds, "+Inf"), cumulative)],
+                "count": cumulative[-1], "sum": self.sum}
+
+
+_SIZE_BOUNDS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_WAIT_BOUNDS = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 10.0)
+
+
+class BatchStats:
+    """What a stage's calls held: rows and requests per call, time queued, padding. Read by the
+    execution plan and exported as Prometheus histograms and counters (plugin/api/metrics.py)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rows = _Histogram(_SIZE_BOUNDS)
+        self._requests = _Histogram(_SIZE_BOUNDS)
+        self._queue_wait = _Histogram(_WAIT_BOUNDS)
+        self._totals = dict.fromkeys(("calls", "rows", "padded_rows", "tokens", "padded_tokens"), 0)
+
+    def record_waits(self, queue_wait_s: Sequence[float]) -> None:
+        """How long each item of a taken batch waited in the queue."""
+        with self._lock:
+            for seconds in queue_wait_s:
+                self._queue_wait.observe(seconds)
+
+    def record_call(self, shape: BatchShape, requests: int) -> None:
+        """One worker call of `shape` serving `requests` requests."""
+        with self._lock:
+            self._rows.observe(shape.real_rows)
+            self._requests.observe(requests)
+            for key, value in (("calls", 1), ("rows", shape.real_rows), ("padded_rows", shape.rows),
+                               ("tokens", shape.real_tokens), ("padded_tokens", shape.tokens)):
+                self._totals[key] += value
+
+    def snapshot(self) -> dict[str, Any]:
+        """Totals, padding efficiency (real / padded tokens, or rows for graphs without tokens;
+        None before the first call) and the three histograms."""
+        with self._lock:
+            totals = dict(self._totals)
+            histograms = {"batch_rows": self._rows.to_dict(), "batch_requests": self._requests.to_dict(),
+                          "queue_wait_seconds": self._queue_wait.to_dict()}
+        real, padded = ((totals["tokens"], totals["padded_tokens"]) if totals["padded_tokens"]
+                        else (totals["rows"], totals["padded_rows"]))
+        return {**totals, "padding_efficiency": real / padded if padded else None, "histograms": histograms}

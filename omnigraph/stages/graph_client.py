@@ -3,11 +3,18 @@
 Each replica owns a dedicated thread taking work from its stage's shared queue, so a replica has
 exactly one call in flight (the worker's rule) and idle replicas pick up work as soon as it is
 queued. One call serves a batch of work items (see batching.py; one item unless the stage
-batches). A call cannot be pre-empted: cancelling every request of a call, a deadline passing
-inside one, or any fault that leaves the worker in doubt *retires* the replica: its worker is
-killed, its reservation stays quarantined until the OS confirms the process is gone, then it is
-released and the stage may start a replacement (runtime.py). Cancelling one request of a batch
-whose other requests still wait only drops that request's rows from the reply.
+batches), packed and unpacked by the stage's batch adapter. A call cannot be pre-empted:
+cancelling every request of a call, a deadline passing inside one, or any fault that leaves the
+worker in doubt *retires* the replica: its worker is killed, its reservation stays quarantined
+until the OS confirms the process is gone, then it is released and the stage may start a
+replacement (runtime.py); every request of that call fails with a retryable StageUnavailable (any
+of them may have killed the worker, so none is re-queued onto the replacement).
+
+Errors stay per request: a merged call the worker refuses for a request-level fault (bad input,
+an ORT error) is run again item by item, so only the faulty request fails. Cancelling one request
+of a batch whose other requests still wait leaves the call running and drops that request's rows
+at unpack: killing the worker would fail (or, re-queued, delay by a worker restart of seconds)
+every batch-mate, while finishing costs at most one call's worth of wasted rows.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
-from omnigraph.stages.batching import STOP, merge_inputs, split_outputs
+from omnigraph.stages.batching import STOP, Queued, combined
 from omnigraph.stages.errors import DeadlineExceeded, StageError, StageUnavailable
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.workers.errors import RemoteError, WorkerTimeout
@@ -178,42 +185,48 @@ class GraphStageClient:
             batch = self.stage.queue.take()
             if batch is STOP:
                 return
-            items = self._admit(batch)  # type: ignore[arg-type]
-            if items and not self._call(items):
+            self.stage.batch_stats.record_waits([entry.waited_s for entry in batch])  # type: ignore[union-attr]
+            entries = self._admit(batch)  # type: ignore[arg-type]
+            if entries and not self._call(entries):
                 return
 
-    def _admit(self, batch: list[WorkItem]) -> list[WorkItem]:
-        """The batch's items still worth a call: cancelled ones are dropped, late ones failed."""
+    def _admit(self, batch: list[Queued]) -> list[Queued]:
+        """The batch's entries still worth a call: cancelled ones are dropped, late ones failed."""
         admitted = []
-        for item in batch:
+        for entry in batch:
+            item: WorkItem = entry.item
             if not item.is_live():
                 continue
             remaining = item.remaining()
             if remaining is not None and remaining <= 0:
                 item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage {self.stage.stage_id}"))
                 continue
-            admitted.append(item)
+            admitted.append(entry)
         return admitted
 
-    def _call(self, items: list[WorkItem]) -> bool:
-        """One worker call for `items`; False once the replica retired."""
+    def _call(self, entries: list[Queued]) -> bool:
+        """One worker call for `entries`; False once the replica retired. A merged call the worker
+        refuses for a request-level fault is run again item by item, so only the faulty request fails."""
+        items: list[WorkItem] = [entry.item for entry in entries]
+        adapter = self.stage.queue.adapter
+        tensors = [item.tensors for item in items]
         remaining = [item.remaining() for item in items]
         timeout = None if None in remaining else max(remaining)  # type: ignore[type-var]
         first = items[0]
         call_id = first.request_id if len(items) == 1 else f"{first.request_id}+{len(items) - 1}"
-        rows = [len(next(iter(item.tensors.values()))) for item in items]
+        self.stage.batch_stats.record_call(adapter.padded(combined(entries)), len({item.request_id for item in items}))
         with self._lock:
             self._current = items
         started = time.perf_counter()
         try:
-            outputs = self.client.run(merge_inputs(items), request_id=call_id[:256], stage_id=self.stage.stage_id,
+            outputs = self.client.run(adapter.pack(tensors), request_id=call_id[:256], stage_id=self.stage.stage_id,
                                       epoch=first.epoch, timeout=timeout)
-            shares = split_outputs(outputs, rows)
         except BaseException as exc:  # every failure is routed: to the requests, and maybe retirement
             interrupted = self._end_call()
             if interrupted is None and _request_level(exc):
-                for item in items:
-                    item.fail(exc)
+                if len(entries) > 1:
+                    return self._call_each(entries)
+                first.fail(exc)
                 return True
             cause = f"{type(exc).__name__}: {exc}"
             if isinstance(exc, WorkerTimeout):
@@ -231,9 +244,28 @@ class GraphStageClient:
         if interrupted is not None:  # killed just as the call returned: the worker is gone
             self.retire(interrupted)
             return False
+        try:
+            shares = adapter.unpack(outputs, tensors)
+        except Exception as exc:  # the graph's outputs do not fit its adapter: every item fails, the worker is fine
+            for item in items:
+                item.fail(exc)
+            return True
         for item, share in zip(items, shares):
             if item.is_live():
                 item.complete(share, seconds)
+        return True
+
+    def _call_each(self, entries: list[Queued]) -> bool:
+        """One call per entry; if the replica retires meanwhile, the entries not yet run go back
+        to the stage's queue (their requests did nothing wrong) or, with no live replica, fail."""
+        for index, entry in enumerate(entries):
+            if not self._call([entry]):
+                for rest in entries[index + 1:]:
+                    try:
+                        self.stage.submit(rest.item)
+                    except StageUnavailable as exc:
+                        rest.item.fail(exc)
+                return False
         return True
 
     def _end_call(self) -> str | None:

@@ -1,4 +1,8 @@
-"""StageRuntime: turns a pipeline declaration and a deploy plan into serving graph stages.
+"""StageRuntime: turns a pipeline declaration and a deploy plan into serving stages.
+
+Graph stages (GraphStage, below) run verified ONNX bundles in worker processes; `llm_pooling`
+stages (NativeStage, native_client.py) run a vLLM pooling engine: in-process, or the `vllm serve`
+engine omnigraph runs inside (`served_engine`). Both are reserved, started and unwound alike.
 
 Order of start, each step refusing before the next begins: verify every bundle and build every
 route; reserve the WHOLE plan in the ledger (all replicas of all stages, atomically); then start,
@@ -28,10 +32,11 @@ from omnigraph.bundles import VerifiedBundle, verify_bundle
 from omnigraph.pipelines.config import PipelineConfig, StageExecutionType, StagePipelineConfig
 from omnigraph.pipelines.deploy import DeployConfig, StageDeployConfig
 from omnigraph.pipelines.registry import resolve_dotted
-from omnigraph.stages.batching import STOP, StageQueue, batch_axis_problem
+from omnigraph.stages.batching import AxisZeroAdapter, BatchAdapter, BatchLimits, BatchStats, StageQueue, batch_axis_problem
 from omnigraph.stages.errors import StageStartupError, StageUnavailable
 from omnigraph.stages.graph_client import REPLACEMENT_RETRY_AFTER_S, GraphStageClient
 from omnigraph.stages.handoff import outputs_as_inputs
+from omnigraph.stages.native_client import NativeStage, ServedEngine
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.stages.restarts import RestartBudget
 from omnigraph.stages.tensors import InputSpec, input_specs
@@ -71,6 +76,17 @@ def worker_route(stage: StageDeployConfig) -> WorkerRoute:
     )
 
 
+def _batch_adapter(config: StagePipelineConfig, bundle: VerifiedBundle) -> BatchAdapter:
+    """The stage's declared batch adapter built for its bundle (AxisZeroAdapter when none is named)."""
+    if config.batch_adapter is None:
+        return AxisZeroAdapter()
+    try:
+        return resolve_dotted(config.batch_adapter)(bundle)
+    except Exception as exc:
+        raise StageStartupError(config.stage_id, 0, f"batch adapter {config.batch_adapter} refused "
+                                f"{bundle.manifest_path}: {exc}") from exc
+
+
 class GraphStage:
     """A graph stage's serving state: its replica slots, the queue they share, its restarts."""
 
@@ -81,8 +97,8 @@ class GraphStage:
         self.bundle = bundle
         self.route = route
         self.stage_id = config.stage_id
-        batching = deploy.batching
-        self.queue = StageQueue(batching.max_batch_rows or config.max_batch_rows, batching.batch_wait_us)
+        self.queue = StageQueue(BatchLimits.for_stage(config, deploy.batching), _batch_adapter(config, bundle))
+        self.batch_stats = BatchStats()
         self.replicas: list[GraphStageClient] = []
         self.input_specs: dict[str, InputSpec] = {}
         self.handoff: HandoffFunc = (
@@ -99,8 +115,9 @@ class GraphStage:
 
     def check_batching(self) -> None:
         """Refuse a declared `max_batch_rows` the loaded bundle's I/O cannot honour."""
-        if self.queue.max_batch_rows > 1 and (problem := batch_axis_problem(self.replicas[0].load_report)):
-            raise StageStartupError(self.stage_id, 0, f"max_batch_rows={self.queue.max_batch_rows} is declared but "
+        max_rows = self.queue.limits.max_rows
+        if max_rows > 1 and (problem := batch_axis_problem(self.replicas[0].load_report)):
+            raise StageStartupError(self.stage_id, 0, f"max_batch_rows={max_rows} is declared but "
                                     f"calls of {self.bundle.manifest.component} cannot be merged: {problem}")
 
     def submit(self, item: Any) -> None:
@@ -226,7 +243,7 @@ class GraphStage:
             thread.join()  # bounded: a start is killed above or ends within the startup timeout
         for replica in self.replicas:
             if replica.serving:
-                self.queue.put(STOP)
+                self.queue.stop_one()
         for replica in self.replicas:
             replica.join(timeout)
         for replica in self.replicas:
@@ -249,7 +266,8 @@ class GraphStage:
             "num_replicas": self.deploy.num_replicas,
             "live_replicas": sum(r.serving for r in replicas),
             "failure": self.failure,
-            "batching": {"max_batch_rows": self.queue.max_batch_rows, "batch_wait_us": self.deploy.batching.batch_wait_us},
+            "batching": {**self.queue.limits.to_dict(), "adapter": self.config.batch_adapter,
+                         "stats": self.batch_stats.snapshot()},
             "restart": {"max_restarts": self.restart_budget.max_restarts, "window_s": self.restart_budget.window_s,
                         "restarts": self.restart_budget.spent, "replacing": replacing},
             "replicas": [r.describe() for r in replicas],
@@ -260,27 +278,33 @@ class StageRuntime:
     """All stages of one pipeline, started under one ledger."""
 
     def __init__(self, pipeline: PipelineConfig, deploy: DeployConfig, *, ledger: ResourceLedger | None = None,
-                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, served_engine: ServedEngine | None = None) -> None:
         self.pipeline = pipeline
         self.deploy = deploy
         self.ledger = ledger if ledger is not None else ResourceLedger()
         self.startup_timeout = startup_timeout
-        self.stages: dict[int, GraphStage] = {}
+        self.served_engine = served_engine
+        self.stages: dict[int, GraphStage | NativeStage] = {}
         self._generations = itertools.count(1)
         self._closed = False
 
     @property
-    def ordered_stages(self) -> list[GraphStage]:
+    def ordered_stages(self) -> list[GraphStage | NativeStage]:
         """The started stages in chain order (none before a successful `start`)."""
         return [self.stages[stage_id] for stage_id in self.pipeline.stage_order if stage_id in self.stages]
 
     @property
     def bundles(self) -> dict[int, VerifiedBundle]:
-        return {stage_id: stage.bundle for stage_id, stage in self.stages.items()}
+        """The graph stages' verified bundles, by stage id (what a processor is built from)."""
+        return {stage_id: stage.bundle for stage_id, stage in self.stages.items() if isinstance(stage, GraphStage)}
 
     def start(self) -> None:
         """Verify, reserve the whole plan, then start, load and warm up every replica."""
         stages = [self._plan_stage(stage_id) for stage_id in self.pipeline.stage_order]
+        bundles = [stage.bundle for stage in stages if isinstance(stage, GraphStage)]
+        for stage in stages:
+            if isinstance(stage, NativeStage):
+                stage.bind_verified_bundle(bundles)
         for stage in stages:
             self.ledger.declare_capacities(stage.deploy.resource_budget.capacities, declared_by=f"stage {stage.stage_id}")
         owners = [(stage, replica) for stage in stages for replica in range(stage.deploy.num_replicas)]
@@ -290,17 +314,28 @@ class StageRuntime:
         launched: Launched = []
         try:
             for (stage, replica), reservation in zip(owners, reservations):
-                stage.replicas.append(self._start_replica(stage, replica, reservation, launched))
+                if isinstance(stage, NativeStage):
+                    stage.start(reservation, self.ledger, timeout=self.startup_timeout)
+                else:
+                    stage.replicas.append(self._start_replica(stage, replica, reservation, launched))
             for stage in stages:
-                stage.input_specs = input_specs(stage.replicas[0].load_report)
-                stage.check_batching()
+                if isinstance(stage, GraphStage):
+                    stage.input_specs = input_specs(stage.replicas[0].load_report)
+                    stage.check_batching()
+            for stage, following in zip(stages, stages[1:]):
+                if isinstance(stage, NativeStage):
+                    stage.check_consumer(following.input_specs, following.stage_id)
         except BaseException:
+            for stage in stages:
+                if isinstance(stage, NativeStage):
+                    stage.stop(DEFAULT_SHUTDOWN_TIMEOUT_S)
             self._unwind(launched, reservations)
             raise
         self.stages = {stage.stage_id: stage for stage in stages}
         for stage in stages:
-            for replica in stage.replicas:
-                replica.start_serving()
+            if isinstance(stage, GraphStage):
+                for replica in stage.replicas:
+                    replica.start_serving()
 
     def _unwind(self, launched: Launched, reservations: list[Reservation]) -> None:
         """Kill every worker started so far; release each reservation (quarantine if an exit is unverified)."""
@@ -318,11 +353,11 @@ class StageRuntime:
             if reservation.reservation_id not in settled:
                 self.ledger.release(reservation)
 
-    def _plan_stage(self, stage_id: int) -> GraphStage:
+    def _plan_stage(self, stage_id: int) -> GraphStage | NativeStage:
         config = self.pipeline.stage(stage_id)
         deploy = self.deploy.stage(stage_id)
-        if config.execution_type is not StageExecutionType.GRAPH:
-            raise StageStartupError(stage_id, 0, f"execution_type {config.execution_type.value!r} has no stage client in this engine")
+        if config.execution_type is StageExecutionType.LLM_POOLING:
+            return NativeStage(config, deploy, served=self.served_engine)
         bundle = verify_bundle(deploy.backend.manifest)
         return GraphStage(config, deploy, bundle, worker_route(deploy), self._start_replacement)
 

@@ -15,9 +15,14 @@ LAYA_PIPELINE = PipelineConfig(
             execution_type=StageExecutionType.GRAPH,
             final_output=True,
             final_output_type="decision",
-            # The graph's B axis is dynamic and every output leads with it, so single-question
-            # requests arriving together share one forward call (rows stay per request).
+            # The graph's B axis is dynamic and every output leads with it, so work of requests
+            # arriving together shares one forward call (rows stay per request; batching.py).
+            # A merged call is never larger than the largest one request makes on its own
+            # (processor: 16 rows of 512 tokens, 2048 marker slots), so it needs no more memory.
             max_batch_rows=32,
+            max_batch_tokens=8192,
+            max_batch_markers=2048,
+            batch_adapter="omnigraph.pipelines.laya.batching:LayaBatchAdapter",
         ),
     ),
     processor="omnigraph.pipelines.laya.processor:LayaProcessor",

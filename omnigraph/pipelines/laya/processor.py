@@ -1,10 +1,12 @@
 """The Laya processor: decision requests in, decision-graph tensors out, and back again.
 
 ``prepare`` validates the whole request (``request.py``), tokenizes the state once, builds each
-question's row (``sequence.py``) and groups the rows into padded forward batches of this one
-request. ``finish`` takes one ``{"logits", "act_logits"}`` per batch, drops the padding rows and
-slots, and decodes each question on its own options (``decoding.py``) into the response the
-reference's ``system_one`` / ``laya-serve`` return.
+question's row (``sequence.py``) and groups the rows into forward batches of this one request:
+each holds its real rows, padded in length and marker slots to their buckets. The stage's batch
+adapter (``batching.py``) pads the rows of each call, which may merge work of several requests,
+and gives each work item back its own rows. ``finish`` takes one ``{"logits", "act_logits"}``
+per work item, drops the padding slots, and decodes each question on its own options
+(``decoding.py``) into the response the reference's ``system_one`` / ``laya-serve`` return.
 """
 
 from __future__ import annotations
@@ -75,6 +77,11 @@ def _batch_layout(layout: Mapping[str, Any], tokenizer: LayaTokenizer, bundle: V
         raise ValueError(f"{where}: layout: {exc}") from None
 
 
+def _real_rows(tensors: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
+    """The collated batch without its padding rows: the batch adapter pads the merged call's rows."""
+    return {name: array[:rows] for name, array in tensors.items()}
+
+
 class LayaProcessor:
     """Validates, tokenizes and batches Laya decisions, and decodes the graph's outputs."""
 
@@ -109,7 +116,7 @@ class LayaProcessor:
         return self._layout
 
     def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
-        """Validate the whole request, then build its padded forward batches."""
+        """Validate the whole request, then build its forward batches (real rows only)."""
         decision = parse_request(request, self._limits)
         if not decision.questions:
             context = LayaContext(request=decision, batches=(), row_tokens=())
@@ -117,7 +124,7 @@ class LayaProcessor:
         state_ids = self._tokenizer.encode(decision.state_text)
         rows = [self._row(question, state_ids, decision.truncate_left) for question in decision.questions]
         batches = tuple(pack_batches(rows, self._layout))
-        work = tuple(collate([rows[i] for i in batch], self._layout) for batch in batches)
+        work = tuple(_real_rows(collate([rows[i] for i in batch], self._layout), len(batch)) for batch in batches)
         context = LayaContext(request=decision, batches=batches,
                               row_tokens=tuple(len(row.ids) for row in rows))
         return PreparedRequest(work=work, context=context)
