@@ -8,8 +8,13 @@ stages (worker replicas) and output processing (the processor's finish) stay sep
 
 Which plan runs:
 - `deploy_config=` (a YAML path or a `DeployConfig`): that plan; `model=` must match its pipeline.
-- `model=` with `bundle=`: a one-stage plan of that pipeline on a default CPU route.
+- `model=` with `bundle=`: the pipeline's graph stage on that bundle on a default CPU route; a
+  native (`llm_pooling`) stage runs the backbone the bundle carries (`metadata.layout.backbone_dir`,
+  hashed in the bundle's manifest) in an in-process vLLM engine with `DEFAULT_NATIVE_ENGINE_ARGS`.
 - `model=` alone (default "laya"): the pipeline's `default_bundle`, if it declares one.
+
+`served_engine=` (the `vllm serve` endpoint plugin passes it) makes a native stage use that
+server's engine instead of starting its own.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ from collections import deque
 from pathlib import Path
 from typing import Any, AsyncGenerator, Iterable, Mapping, Sequence
 
-from omnigraph.pipelines.config import PipelineConfig
+from omnigraph.bundles import MANIFEST_NAME, load_manifest
+from omnigraph.pipelines.config import PipelineConfig, StageExecutionType
 from omnigraph.pipelines.deploy import (
     GRAPH_BACKEND,
+    NATIVE_BACKEND,
     DeployConfig,
     load_deploy_config,
     resolve_pipeline,
@@ -31,15 +38,21 @@ from omnigraph.pipelines.deploy import (
 )
 from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 from omnigraph.stages.errors import ResourceUnavailable
+from omnigraph.stages.native_client import ServedEngine
 from omnigraph.stages.orchestrator import Orchestrator, RequestState
 from omnigraph.stages.outputs import OmniRequestOutput
-from omnigraph.stages.runtime import DEFAULT_STARTUP_TIMEOUT_S, StageRuntime
+from omnigraph.stages.runtime import DEFAULT_STARTUP_TIMEOUT_S, GraphStage, StageRuntime
 from omnigraph.stages.tensor_processor import TensorProcessor
+from omnigraph.workers.route import DEFAULT_MAX_IO_BYTES
 
 __all__ = ["AsyncOmni", "Omni", "OmniRequestOutput", "build_plan"]
 
 DEFAULT_MODEL = "laya"
 DEFAULT_ROUTE = "local-cpu"
+# A bundle's backbone in the default plan: eager (torch.compile of vLLM's CPU backend costs minutes
+# at startup) with a fixed KV cache (vLLM's CPU backend otherwise claims most of the machine's RAM;
+# a pooling stage only holds the prompts being prefilled). Deploy YAMLs set their own.
+DEFAULT_NATIVE_ENGINE_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 256 * 1024 * 1024}
 
 
 def build_plan(model: str | None = None, deploy_config: str | Path | DeployConfig | None = None,
@@ -57,20 +70,41 @@ def build_plan(model: str | None = None, deploy_config: str | Path | DeployConfi
         if pipeline.default_bundle is None:
             raise ValueError(f"pipeline {pipeline.model_type!r} has no default bundle: pass bundle= or deploy_config=")
         bundle = resolve_dotted(pipeline.default_bundle)()
-    if len(pipeline.stages) != 1:
+    graph_stages = [s for s in pipeline.stages if s.execution_type is StageExecutionType.GRAPH]
+    if len(graph_stages) != 1:
         raise ValueError(
-            f"pipeline {pipeline.model_type!r} has {len(pipeline.stages)} stages; bundle= builds one-stage plans, "
-            "use deploy_config= for more"
+            f"pipeline {pipeline.model_type!r} has {len(graph_stages)} graph stages; bundle= builds plans of one "
+            "graph stage (plus the native stages its bundle carries), use deploy_config= for more"
         )
-    deploy = validate_deploy_config({
-        "pipeline": pipeline.model_type,
-        "stages": [{
-            "stage_id": pipeline.stages[0].stage_id,
-            "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle),
-                        "route": {"name": DEFAULT_ROUTE, "interpreter": sys.executable, "ep": "cpu"}},
-        }],
-    })
+    stages = []
+    for stage in pipeline.stages:
+        if stage.execution_type is StageExecutionType.GRAPH:
+            backend = {"name": GRAPH_BACKEND, "manifest": str(bundle),
+                       "route": {"name": DEFAULT_ROUTE, "interpreter": sys.executable, "ep": "cpu"}}
+        else:
+            backend = _bundle_backbone(Path(bundle))
+        stages.append({"stage_id": stage.stage_id, "backend": backend})
+    deploy = validate_deploy_config({"pipeline": pipeline.model_type, "stages": stages})
     return pipeline, deploy
+
+
+def _bundle_backbone(bundle: Path) -> dict[str, Any]:
+    """A native stage's backend on the backbone folder a head bundle carries.
+
+    Only the manifest is read here; the runtime verifies the bundle (backbone files included)
+    before the engine loads them.
+    """
+    layout = load_manifest(bundle).metadata.layout
+    backbone_dir = layout.get("backbone_dir") if isinstance(layout, Mapping) else None
+    if not isinstance(backbone_dir, str) or not backbone_dir:
+        raise ValueError(f"{bundle / MANIFEST_NAME}: metadata.layout.backbone_dir is missing, so the bundle carries "
+                         "no backbone for the pipeline's native stage; use deploy_config= to name one")
+    root = bundle.parent if bundle.name == MANIFEST_NAME else bundle
+    backend: dict[str, Any] = {"name": NATIVE_BACKEND, "model": str(root / backbone_dir),
+                               "engine_args": dict(DEFAULT_NATIVE_ENGINE_ARGS)}
+    if layout.get("max_model_len") is not None:
+        backend["max_model_len"] = layout["max_model_len"]
+    return backend
 
 
 def _settle(done: asyncio.Future[None]) -> None:
@@ -83,18 +117,22 @@ class OmniBase:
 
     def __init__(self, model: str | None = None, deploy_config: str | Path | DeployConfig | None = None,
                  bundle: str | Path | None = None, *, max_queued_requests: int | None = None,
-                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, warmup: bool = True) -> None:
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, warmup: bool = True,
+                 served_engine: ServedEngine | None = None) -> None:
         self.pipeline, self.deploy = build_plan(model, deploy_config, bundle)
         self._final_stage_id = self.pipeline.final_stage.stage_id
         self._final_output_type = self.pipeline.final_output_type
-        self.runtime = StageRuntime(self.pipeline, self.deploy, startup_timeout=startup_timeout)
+        self.runtime = StageRuntime(self.pipeline, self.deploy, startup_timeout=startup_timeout,
+                                    served_engine=served_engine)
         self.runtime.start()
         try:
             if self.pipeline.processor is not None:
                 self.processor: Any = resolve_dotted(self.pipeline.processor)(self.runtime.bundles)
             else:
                 entry = self.runtime.ordered_stages[0]
-                self.processor = TensorProcessor(entry.input_specs, max_io_bytes=entry.route.max_io_bytes)
+                # A native entry stage has no wire; the graph wire's default bound limits its tensors.
+                max_io_bytes = entry.route.max_io_bytes if isinstance(entry, GraphStage) else DEFAULT_MAX_IO_BYTES
+                self.processor = TensorProcessor(entry.input_specs, max_io_bytes=max_io_bytes)
             self.orchestrator = Orchestrator(
                 self.runtime, self.processor,
                 max_queued_requests=max_queued_requests or self.deploy.max_queued_requests,

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from omnigraph.plugin.api.app import build_app
 from omnigraph.plugin.api.service import DEFAULT_DEADLINE_S, DecisionService
+
+if TYPE_CHECKING:
+    from omnigraph.stages.native_client import ServedEngine
 
 DEADLINE_ENV = "OMNIGRAPH_REQUEST_DEADLINE_S"
 
@@ -51,13 +55,15 @@ def served_model_name(model: str | None, deploy_config: str | None) -> str:
 
 
 def build_service(model: str | None, *, bundle: str | None = None, deploy_config: str | None = None,
-                  deadline_s: float = DEFAULT_DEADLINE_S) -> DecisionService:
-    """A service whose engine is an `AsyncOmni` built (in a thread) when the app starts."""
+                  deadline_s: float = DEFAULT_DEADLINE_S, served_engine: ServedEngine | None = None) -> DecisionService:
+    """A service whose engine is an `AsyncOmni` built (in a thread) when the app starts;
+    `served_engine` (inside `vllm serve`) is the vLLM engine a native stage uses."""
     from omnigraph.plugin.omni import AsyncOmni
 
     def start_engine() -> AsyncOmni:
         # The service sends the warmup request itself, through the same async path requests take.
-        return AsyncOmni(model=model, deploy_config=deploy_config, bundle=bundle, warmup=False)
+        return AsyncOmni(model=model, deploy_config=deploy_config, bundle=bundle, warmup=False,
+                         served_engine=served_engine)
 
     return DecisionService(start_engine, model_name=served_model_name(model, deploy_config), deadline_s=deadline_s)
 

@@ -13,6 +13,12 @@ Endpoint plugins load only when named: `VLLM_PLUGINS=omnigraph,omnigraph-pipelin
 Which pipeline is served: `OMNIGRAPH_DEPLOY_CONFIG` (a deploy YAML), else `OMNIGRAPH_BUNDLE` (with
 `OMNIGRAPH_MODEL`, default laya), else vLLM's `--model` when it is an omnigraph bundle folder, else
 the embedded demo. `OMNIGRAPH_REQUEST_DEADLINE_S` bounds each request as in `omnigraph serve`.
+
+A mixed pipeline (Cua-S1, Open-Jev) runs its backbone in the server's own engine: serve the
+bundle's backbone folder as a pooling model, e.g.
+`VLLM_PLUGINS=omnigraph,omnigraph-pipelines OMNIGRAPH_MODEL=cua_s1 OMNIGRAPH_BUNDLE=B
+vllm serve B/backbone --runner pooling --convert embed --dtype float32
+--pooler-config '{"pooling_type": "LAST"}'`.
 """
 
 from __future__ import annotations
@@ -66,13 +72,19 @@ class OmnigraphEndpointPlugin:
         app.add_exception_handler(ApiError, api_error_handler)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
-        """Start the pipeline in the background; the routes answer 503 until its warmup passed."""
+        """Start the pipeline in the background; the routes answer 503 until its warmup passed.
+
+        A native stage of the pipeline runs in this server's own engine (`engine_client`, on this
+        loop); the stage refuses to start unless that engine fits it (pooling runner, LAST pooling,
+        the plan's dtype, the head's hidden size)."""
         from prometheus_client import REGISTRY
 
         from omnigraph.plugin.api.app import attach_service
         from omnigraph.plugin.server import build_service, request_deadline_from_env
+        from omnigraph.stages.native_client import ServedEngine
 
-        service = build_service(**_pipeline_source(args), deadline_s=request_deadline_from_env())
+        served = None if engine_client is None else ServedEngine(engine_client, asyncio.get_running_loop())
+        service = build_service(**_pipeline_source(args), deadline_s=request_deadline_from_env(), served_engine=served)
         attach_service(state, service, registry=REGISTRY)
         state.omnigraph_start = asyncio.get_running_loop().create_task(service.start())
         atexit.register(service.shutdown)  # vLLM's lifespan does not know this engine

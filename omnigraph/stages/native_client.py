@@ -1,0 +1,419 @@
+"""NativeStage: an `llm_pooling` stage served by a vLLM pooling engine (a Qwen backbone's prefill).
+
+The stage sits in the orchestrator's chain like a GraphStage (submit, check_available, handoff,
+input_specs, replicas' interrupt, describe, stop) but its calls go to vLLM instead of a graph
+worker. A work item carries `prompt_token_ids` int64 [T] (its P prompts concatenated) and
+`prompt_lengths` int64 [P]; the stage submits the P prompts to vLLM's `encode` with LAST-token
+pooling and no activation, and completes the item with `hidden_states` float32 [P, H]: the final
+hidden state (after the final norm) at each prompt's last position, in prompt order. vLLM batches
+the prompts of all in-flight items itself, so each item is one asyncio task and nothing is
+merged here.
+
+The engine is either
+- in-process: a `vllm.v1.engine.async_llm.AsyncLLM` built from the deploy YAML's
+  `vllm.pooling.v1` backend, running on an event loop in a thread of its own (owned: shut down
+  with the stage), or
+- served: the `engine_client` of the `vllm serve` process omnigraph runs inside (its endpoint
+  plugin), used on that server's event loop (not owned: the server shuts it down). It must be a
+  pooling engine of the same hidden size and dtype, checked before the stage serves.
+
+Cancellation aborts the item's vLLM requests (`engine.abort`) at once; a deadline passing does the
+same and fails the item with DeadlineExceeded. An engine that dies fails the stage for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from omnigraph.pipelines.config import StagePipelineConfig
+from omnigraph.pipelines.deploy import NativeBackendConfig, StageDeployConfig
+from omnigraph.stages.errors import DeadlineExceeded, HandoffInvalid, StageStartupError, StageUnavailable
+from omnigraph.stages.handoff import outputs_as_inputs
+from omnigraph.stages.ledger import Reservation, ResourceLedger
+from omnigraph.stages.tensors import InputSpec
+
+if TYPE_CHECKING:
+    from omnigraph.bundles import VerifiedBundle
+    from omnigraph.stages.graph_client import WorkItem
+
+logger = logging.getLogger("omnigraph.stages")
+
+PROMPT_TOKEN_IDS = "prompt_token_ids"
+PROMPT_LENGTHS = "prompt_lengths"
+HIDDEN_STATES = "hidden_states"
+POOLING_TASK = "embed"
+POOLING_TYPE = "LAST"
+NATIVE_INPUT_SPECS = {
+    PROMPT_TOKEN_IDS: InputSpec(PROMPT_TOKEN_IDS, np.dtype(np.int64), (None,)),
+    PROMPT_LENGTHS: InputSpec(PROMPT_LENGTHS, np.dtype(np.int64), (None,)),
+}
+_TORCH_DTYPES = {"float32": "torch.float32", "bfloat16": "torch.bfloat16", "float16": "torch.float16"}
+
+
+class NativeStageError(StageStartupError):
+    """A native stage cannot start: vLLM is missing, the engine did not start, or it does not fit."""
+
+
+@dataclass(frozen=True)
+class ServedEngine:
+    """The engine of the `vllm serve` process omnigraph runs inside, and the loop it serves on."""
+
+    engine_client: Any
+    loop: asyncio.AbstractEventLoop
+
+
+def engine_args(backend: NativeBackendConfig) -> Any:
+    """vLLM's `AsyncEngineArgs` for a backend: a pooling engine returning raw last hidden states."""
+    from vllm.config import PoolerConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=str(backend.model),
+        dtype=backend.dtype,
+        max_model_len=backend.max_model_len,
+        runner="pooling",
+        convert=POOLING_TASK,
+        pooler_config=PoolerConfig(pooling_type=POOLING_TYPE, use_activation=False),
+        **backend.engine_args,
+    )
+
+
+class PoolingEngine:
+    """A vLLM engine client and the event loop its calls run on; `owned` engines are ours to stop."""
+
+    def __init__(self, client: Any, loop: asyncio.AbstractEventLoop, *, owned: bool,
+                 thread: threading.Thread | None = None) -> None:
+        self.client = client
+        self.loop = loop
+        self.owned = owned
+        self._thread = thread
+
+    @classmethod
+    def start(cls, backend: NativeBackendConfig, *, stage_id: int, timeout: float) -> PoolingEngine:
+        """Build an in-process `AsyncLLM` on a new loop thread; refuses after `timeout` seconds."""
+        try:
+            import vllm
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            raise NativeStageError(stage_id, 0, f"vLLM cannot be imported ({exc}); install the vllm extra") from None
+        args = engine_args(backend)
+        loop = asyncio.new_event_loop()
+        thread = threading.Thread(target=loop.run_forever, name=f"omnigraph-stage{stage_id}-vllm", daemon=True)
+        thread.start()
+
+        async def build() -> Any:  # on the loop, so the engine's output handler runs there
+            return AsyncLLM.from_engine_args(args)
+
+        future = asyncio.run_coroutine_threadsafe(build(), loop)
+        try:
+            client = future.result(timeout)
+        except BaseException as exc:
+            future.add_done_callback(_shutdown_built_engine)  # a start still running is stopped once built
+            loop.call_soon_threadsafe(loop.stop)
+            if isinstance(exc, TimeoutError):
+                raise NativeStageError(stage_id, 0, f"vLLM {vllm.__version__} did not start {backend.model} "
+                                       f"within {timeout:g} s") from None
+            raise NativeStageError(stage_id, 0, f"vLLM {vllm.__version__} did not start {backend.model}: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        return cls(client, loop, owned=True, thread=thread)
+
+    @classmethod
+    def served(cls, served: ServedEngine) -> PoolingEngine:
+        return cls(served.engine_client, served.loop, owned=False)
+
+    def run(self, coroutine: Any) -> Future:
+        """Schedule `coroutine` on the engine's loop (from any thread)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+
+    @property
+    def dead(self) -> bool:
+        return bool(getattr(self.client, "errored", False))
+
+    def close(self, timeout: float) -> None:
+        """Shut an owned engine down (its engine-core process exits), end the tasks it left on the
+        loop, and stop the loop thread."""
+        if not self.owned:
+            return
+        self.client.shutdown(timeout=timeout)
+        self.run(_cancel_other_tasks()).result(timeout)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+async def _cancel_other_tasks() -> None:
+    """Cancel and await every other task of the running loop (the engine's output handlers)."""
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _shutdown_built_engine(future: Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().shutdown()
+
+
+def check_engine_fits(engine: Any, backend: NativeBackendConfig, *, stage_id: int) -> None:
+    """Refuse an engine that would not return what the plan's backend describes: a pooling runner
+    with LAST-token pooling, in the backend's dtype."""
+    model_config = engine.model_config
+    problems = []
+    if model_config.runner_type != "pooling":
+        problems.append(f"it runs the {model_config.runner_type!r} runner, not 'pooling' (serve with --runner pooling "
+                        f"--convert {POOLING_TASK})")
+    pooler = model_config.pooler_config
+    pooling_type = getattr(pooler, "seq_pooling_type", None) if pooler is not None else None
+    if pooling_type != POOLING_TYPE:
+        problems.append(f"it pools with {pooling_type!r}, not {POOLING_TYPE!r} "
+                        f"(--pooler-config '{{\"pooling_type\": \"{POOLING_TYPE}\"}}')")
+    if str(model_config.dtype) != _TORCH_DTYPES[backend.dtype]:
+        problems.append(f"it computes in {model_config.dtype}, the plan asks for {backend.dtype} (--dtype {backend.dtype})")
+    if problems:
+        raise NativeStageError(stage_id, 0, f"the vLLM engine serving {model_config.model} does not fit this stage: "
+                               + "; ".join(problems))
+
+
+def split_prompts(tensors: Mapping[str, np.ndarray], max_model_len: int) -> list[list[int]]:
+    """The work item's prompts as token-id lists; refuses lengths that do not add up or exceed the engine."""
+    ids, lengths = tensors.get(PROMPT_TOKEN_IDS), tensors.get(PROMPT_LENGTHS)
+    for name, array in ((PROMPT_TOKEN_IDS, ids), (PROMPT_LENGTHS, lengths)):
+        if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1:
+            raise HandoffInvalid(f"native stage input {name!r} must be an int64 array of rank 1")
+    if lengths.size == 0 or lengths.min() < 1 or int(lengths.sum()) != ids.size:
+        raise HandoffInvalid(f"prompt_lengths {lengths.tolist()} must be >= 1 and add up to the {ids.size} prompt token ids")
+    if lengths.max() > max_model_len:
+        raise HandoffInvalid(f"a prompt of {int(lengths.max())} tokens exceeds the engine's max_model_len {max_model_len}")
+    bounds = np.cumsum(lengths)
+    return [chunk.tolist() for chunk in np.split(ids, bounds[:-1])]
+
+
+class NativeStageClient:
+    """The native stage's one replica: submits work items to the engine, tracks them for abort."""
+
+    replica = 0
+    restarts = 0
+
+    def __init__(self, stage: NativeStage, engine: PoolingEngine, reservation: Reservation,
+                 ledger: ResourceLedger) -> None:
+        self.stage = stage
+        self.engine = engine
+        self.reservation = reservation
+        self._ledger = ledger
+        self._lock = threading.Lock()
+        self._in_flight: dict[int, tuple[str, Future]] = {}
+        self._ids = itertools.count()
+        self.max_model_len: int = engine.client.model_config.max_model_len
+        self.hidden_size: int = engine.client.model_config.get_hidden_size()
+        self.retired_reason: str | None = None
+        self.calls = 0
+        self.items = 0
+
+    @property
+    def serving(self) -> bool:
+        return self.retired_reason is None
+
+    def submit(self, item: WorkItem) -> None:
+        """Start the item's engine requests on the engine's loop (returns at once)."""
+        with self._lock:
+            key = next(self._ids)
+            future = self.engine.run(self._run(key, item))
+            self._in_flight[key] = (item.request_id, future)
+        future.add_done_callback(lambda _: self._forget(key))
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._in_flight.pop(key, None)
+
+    def interrupt(self, request_id: str, reason: str) -> bool:
+        """Cancel the request's calls in flight; their vLLM requests are aborted (the engine stays)."""
+        with self._lock:
+            futures = [future for owner, future in self._in_flight.values() if owner == request_id]
+        for future in futures:
+            future.cancel()
+        return bool(futures)
+
+    async def _run(self, key: int, item: WorkItem) -> None:
+        """Pool the item's prompts; complete or fail it. Runs on the engine's loop."""
+        if not item.is_live():
+            return
+        remaining = item.remaining()
+        if remaining is not None and remaining <= 0:
+            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage {self.stage.stage_id}"))
+            return
+        try:
+            prompts = split_prompts(item.tensors, self.max_model_len)
+        except HandoffInvalid as exc:
+            item.fail(HandoffInvalid(f"stage {self.stage.stage_id}: {exc}"))
+            return
+        request_ids = [f"omnigraph-{item.request_id}-{key}-{index}" for index in range(len(prompts))]
+        started = time.perf_counter()
+        finished = False
+        try:
+            async with asyncio.timeout(remaining):
+                states = await asyncio.gather(*(self._pool(rid, ids) for rid, ids in zip(request_ids, prompts)))
+            finished = True
+        except TimeoutError:
+            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage {self.stage.stage_id}"))
+            return
+        except Exception as exc:  # the engine refused or failed the requests
+            if self.engine.dead:
+                self.stage.engine_died(f"vLLM engine failed: {type(exc).__name__}: {exc}")
+                item.fail(StageUnavailable(f"stage {self.stage.stage_id}: the vLLM engine died during request "
+                                           f"{item.request_id}: {exc}"))
+            else:
+                item.fail(exc)
+            return
+        finally:
+            if not finished:  # cancelled, late or failed: free the engine's slots for these prompts now
+                await self.engine.client.abort(request_ids)
+        seconds = time.perf_counter() - started
+        self.calls += 1
+        self.items += 1
+        if item.is_live():
+            item.complete({HIDDEN_STATES: np.stack(states)}, seconds)
+
+    async def _pool(self, request_id: str, token_ids: list[int]) -> np.ndarray:
+        from vllm import PoolingParams
+
+        params = PoolingParams(task=POOLING_TASK, use_activation=False)
+        final = None
+        async for output in self.engine.client.encode({"prompt_token_ids": token_ids}, params, request_id):
+            final = output
+        if final is None:
+            raise RuntimeError(f"vLLM returned no output for {request_id}")
+        return final.outputs.data.cpu().numpy().astype(np.float32, copy=False)
+
+    def close(self, timeout: float) -> None:
+        """Cancel what is in flight, stop an owned engine, release the reservation."""
+        if self.retired_reason == "shut down":
+            return
+        self.retired_reason = "shut down"
+        with self._lock:
+            futures = [future for _, future in self._in_flight.values()]
+        for future in futures:
+            future.cancel()
+        try:
+            self.engine.close(timeout)
+        finally:
+            self._ledger.release(self.reservation)
+
+    def describe(self) -> dict[str, Any]:
+        model_config = self.engine.client.model_config
+        with self._lock:
+            in_flight = sorted({owner for owner, _ in self._in_flight.values()})
+        return {
+            "replica": self.replica,
+            "state": "serving" if self.serving else "retired",
+            "engine": "in-process AsyncLLM" if self.engine.owned else "vllm serve engine_client",
+            "served_model": str(model_config.model),
+            "dtype": str(model_config.dtype).removeprefix("torch."),
+            "max_model_len": self.max_model_len,
+            "hidden_size": self.hidden_size,
+            "in_flight": in_flight,
+            "calls": self.calls,
+            "items": self.items,
+            "reservation": dict(self.reservation.demands),
+        }
+
+
+class NativeStage:
+    """An `llm_pooling` stage's serving state: its backend, its one engine replica, its failure."""
+
+    def __init__(self, config: StagePipelineConfig, deploy: StageDeployConfig, *,
+                 served: ServedEngine | None = None) -> None:
+        if not isinstance(deploy.backend, NativeBackendConfig):
+            raise NativeStageError(config.stage_id, 0, "an llm_pooling stage needs a vllm.pooling.v1 backend")
+        self.config = config
+        self.deploy = deploy
+        self.backend: NativeBackendConfig = deploy.backend
+        self.stage_id = config.stage_id
+        self.input_specs: dict[str, InputSpec] = dict(NATIVE_INPUT_SPECS)
+        self.handoff = outputs_as_inputs
+        self.replicas: list[NativeStageClient] = []
+        self.failure: str | None = None
+        self.verified_by: VerifiedBundle | None = None
+        self._served = served
+
+    def bind_verified_bundle(self, bundles: list[VerifiedBundle]) -> None:
+        """Note the verified bundle whose files hold the model folder (its every file is then hashed)."""
+        for bundle in bundles:
+            if self.backend.model.is_relative_to(Path(bundle.root).resolve()):
+                self.verified_by = bundle
+                return
+
+    def start(self, reservation: Reservation, ledger: ResourceLedger, *, timeout: float) -> None:
+        """Start (or attach to the served) engine under `reservation`; checks the engine fits."""
+        if self._served is not None:
+            engine = PoolingEngine.served(self._served)
+        else:
+            engine = PoolingEngine.start(self.backend, stage_id=self.stage_id, timeout=timeout)
+        try:
+            check_engine_fits(engine.client, self.backend, stage_id=self.stage_id)
+            self.replicas.append(NativeStageClient(self, engine, reservation, ledger))
+        except BaseException:
+            engine.close(timeout)
+            raise
+
+    def check_consumer(self, specs: Mapping[str, InputSpec], consumer_id: int) -> None:
+        """Refuse a next stage whose declared `hidden_states` input does not take this engine's rows."""
+        spec = specs.get(HIDDEN_STATES)
+        hidden_size = self.replicas[0].hidden_size
+        if spec is None or spec.dtype != np.float32 or len(spec.shape) != 2 or spec.shape[1] not in (None, hidden_size):
+            declared = "no hidden_states input" if spec is None else f"hidden_states {spec.describe()}"
+            raise NativeStageError(self.stage_id, 0, f"stage {consumer_id} declares {declared}; this engine "
+                                   f"({self.replicas[0].describe()['served_model']}) returns hidden_states float32[P, {hidden_size}]")
+
+    def submit(self, item: WorkItem) -> None:
+        self.check_available()
+        self.replicas[0].submit(item)
+
+    def check_available(self) -> None:
+        if self.failure is not None:
+            raise StageUnavailable(f"stage {self.stage_id} has no live engine ({self.failure}); recreate the pipeline")
+
+    def engine_died(self, reason: str) -> None:
+        if self.failure is None:
+            self.failure = reason
+            logger.error("stage %d: %s", self.stage_id, reason)
+
+    def stop_replacing(self) -> None:
+        """Nothing to stop: a native stage's engine is never replaced (a dead one fails the stage)."""
+
+    def stop(self, timeout: float) -> None:
+        for replica in self.replicas:
+            replica.close(timeout)
+
+    def describe(self) -> dict[str, Any]:
+        import vllm
+
+        return {
+            "stage_id": self.stage_id,
+            "model_stage": self.config.model_stage,
+            "execution_type": self.config.execution_type.value,
+            "input_sources": list(self.config.input_sources),
+            "final_output": self.config.final_output,
+            "backend": {
+                "name": self.backend.name,
+                "model": str(self.backend.model),
+                "dtype": self.backend.dtype,
+                "engine_args": dict(self.backend.engine_args),
+                "verified_by": None if self.verified_by is None else {
+                    "manifest": str(self.verified_by.manifest_path), "sha256": self.verified_by.manifest_sha256},
+            },
+            "vllm_version": vllm.__version__,
+            "num_replicas": 1,
+            "live_replicas": sum(r.serving for r in self.replicas) if self.failure is None else 0,
+            "failure": self.failure,
+            "replicas": [r.describe() for r in self.replicas],
+        }

