@@ -1,0 +1,115 @@
+"""Cua-S1 over HTTP: a real `omnigraph serve cua_s1 --bundle ...` on 127.0.0.1 with vLLM (CPU).
+
+Answers equal the transformers + NumPy reference within 1e-3, usage counts prompt tokens only,
+and bad requests are 422 naming the field and leave the server answering as before.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from .conftest import reference_letter_probabilities
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytest.importorskip("vllm")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+STARTUP_TIMEOUT_S = 600
+# `omnigraph serve`, with Cua-S1 registered in the server process (it is found by name once the
+# package's entry points list it; registering the same declaration again is a no-op).
+SERVE = ("from omnigraph.pipelines.registry import register_pipeline; "
+         "from omnigraph.pipelines.cua_s1.pipeline import CUA_S1_PIPELINE; "
+         "from omnigraph.plugin.cli import main; "
+         "register_pipeline(CUA_S1_PIPELINE); raise SystemExit(main(['serve', *__import__('sys').argv[1:]]))")
+
+REQUEST = {
+    "model": "cua_s1",
+    "state": '- Edit "Email" value="" required=True\n- CheckBox "I agree" checked=False\n- Button "Create account"',
+    "questions": {
+        "next": {"type": "choice", "instructions": "Create the account for jane@example.com.",
+                 "criteria": {"fill": 'Fill "Email"', "tick": 'Tick "I agree"', "submit": 'Click "Create account"'}},
+        "letters": {"type": "choice", "instructions": "Pick the cell.", "criteria": [f"cell {i}" for i in range(26)]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def server(cua_bundle, tmp_path_factory):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log_path = tmp_path_factory.mktemp("cua-serve") / "server.log"
+    with log_path.open("w") as log:
+        process = subprocess.Popen([sys.executable, "-c", SERVE, "cua_s1", "--bundle", str(cua_bundle.root),
+                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"server did not become ready; log {log_path}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+
+def _post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/systemone", json=body, timeout=120)
+
+
+def test_http_answers_match_transformers_and_numpy(server, cua_bundle, cua_processor):
+    response = _post(server, REQUEST)
+    assert response.status_code == 200, response.text
+    body = response.json()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(cua_bundle.root / "backbone"), dtype=torch.float32)
+    prepared = cua_processor.prepare(REQUEST)
+    letter_ids = cua_bundle.manifest.metadata.layout["letter_token_ids"]
+    for work, question in zip(prepared.work, prepared.context.request.questions):
+        expected = reference_letter_probabilities(model.eval(), work["prompt_token_ids"].tolist(), letter_ids,
+                                                  len(question.keys))
+        answer = body["answers"][question.qid]
+        assert answer["type"] == "choice" and list(answer["probabilities"]) == [str(k) for k in question.keys]
+        np.testing.assert_allclose(list(answer["probabilities"].values()), expected, rtol=0, atol=1e-3)
+    assert body["usage"] == {"input_tokens": sum(len(w["prompt_token_ids"]) for w in prepared.work),
+                             "output_tokens": 0}
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"state": "s", "questions": {"q": {"type": "noul", "instructions": "Is it?"}}}, "questions.q.type"),
+    ({"state": "s", "questions": {"q": {"type": "choice", "instructions": "x", "criteria": ["only"]}}},
+     "questions.q.criteria"),
+    ({"state": "s", "questions": {"q": {"type": "choice", "instructions": "x",
+                                        "criteria": [str(i) for i in range(27)]}}}, "questions.q.criteria"),
+    ({"state": "zq" * 20_000, "questions": {"q": {"type": "choice", "instructions": "x", "criteria": ["a", "b"]}}},
+     "questions.q"),
+])
+def test_bad_requests_are_422_and_change_nothing(server, body, field):
+    before = _post(server, REQUEST).json()
+    response = _post(server, body)
+    assert response.status_code == 422 and response.json()["field"] == field
+    after = _post(server, REQUEST).json()
+    assert after["answers"] == before["answers"] and after["usage"] == before["usage"]
