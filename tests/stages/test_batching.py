@@ -1,14 +1,24 @@
-"""Cross-request batching: compatible queued work shares one worker call, each request gets its rows."""
+"""Cross-request batching: compatible queued work shares one worker call, each request gets its rows,
+limits bound what a call holds, and a request's failure or cancellation stays its own."""
 
 import asyncio
 import os
 import signal
+import sys
+import threading
 
 import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
-from omnigraph import AsyncOmni
-from omnigraph.stages.batching import STOP, StageQueue, batch_key, split_outputs
+from omnigraph import AsyncOmni, Omni
+from omnigraph.bundles import pack_bundle
+from omnigraph.pipelines.config import StagePipelineConfig
+from omnigraph.pipelines.deploy import GRAPH_BACKEND, BatchingConfig, validate_deploy_config
+from omnigraph.stages.batching import (
+    DEFAULT_BATCH_WAIT_US, STOP, AxisZeroAdapter, BatchLimits, BatchShape, BatchStats, Footprint, StageQueue, split_rows,
+)
 from omnigraph.stages.errors import RequestCancelled, StageStartupError, StageUnavailable
 
 BLOCKER = {"tensors": {"x": np.ones((32768, 32), np.float32)}}  # keeps the one replica busy meanwhile
@@ -31,39 +41,99 @@ class Item:
         return self.live
 
 
+def queue(max_rows: int = 1, wait_us: int = 0, **limits) -> StageQueue:
+    return StageQueue(BatchLimits(max_rows=max_rows, wait_us=wait_us, **limits), AxisZeroAdapter())
+
+
+def take_ids(stage_queue: StageQueue, calls: int) -> list:
+    taken = [stage_queue.take() for _ in range(calls)]
+    return ["STOP" if batch is STOP else [entry.item.request_id for entry in batch] for batch in taken]
+
+
 def test_the_queue_groups_compatible_items_within_the_row_limit():
-    queue = StageQueue(max_batch_rows=4)
-    items = [Item("a", 1), Item("b", 1, width=5), Item("c", 2), Item("gone", 1, live=False), Item("d", 1, dtype=np.float64),
-             Item("e", 2), Item("f", 1)]
-    for item in items:
-        queue.put(item)
-    queue.put(STOP)
-    taken = [queue.take() for _ in range(5)]
-    ids = [[item.request_id for item in batch] if batch is not STOP else "STOP" for batch in taken]
+    stage_queue = queue(max_rows=4)
+    for item in (Item("a", 1), Item("b", 1, width=5), Item("c", 2), Item("gone", 1, live=False),
+                 Item("d", 1, dtype=np.float64), Item("e", 2), Item("f", 1)):
+        stage_queue.put(item)
+    stage_queue.stop_one()
     # a + c fill 3 rows; e (2 more) does not fit, f does; the cancelled item is dropped unseen
-    assert ids == [["a", "c", "f"], ["b"], ["d"], ["e"], "STOP"]
+    assert take_ids(stage_queue, 5) == [["a", "c", "f"], ["b"], ["d"], ["e"], "STOP"]
 
 
 def test_an_item_at_the_limit_runs_alone_and_unbatched_stages_take_one_item():
-    queue = StageQueue(max_batch_rows=2)
-    for item in (Item("big", 2), Item("small", 1), Item("other", 1)):
-        queue.put(item)
-    assert [i.request_id for i in queue.take()] == ["big"]
-    assert [i.request_id for i in queue.take()] == ["small", "other"]
-    single = StageQueue()
+    stage_queue = queue(max_rows=2)
+    for item in (Item("big", 3), Item("small", 1), Item("other", 1)):
+        stage_queue.put(item)
+    assert take_ids(stage_queue, 2) == [["big"], ["small", "other"]]
+    single = queue()
     single.put(Item("a", 1))
     single.put(Item("b", 1))
-    assert [i.request_id for i in single.take()] == ["a"]
+    assert take_ids(single, 1) == [["a"]]
 
 
-def test_batch_keys_and_splitting():
-    assert batch_key({"x": np.zeros((3, 4)), "m": np.zeros((3,), np.int64)})[0] == 3
-    assert batch_key({"x": np.zeros((3, 4)), "m": np.zeros((2,), np.int64)}) is None  # rows disagree
-    parts = split_outputs({"y": np.arange(10).reshape(5, 2)}, [2, 3])
+def test_the_byte_limit_bounds_a_call_and_the_queue_records_how_long_items_waited():
+    stage_queue = queue(max_rows=64, max_bytes=3 * 16)  # rows of 4 float32: three rows per call
+    for name in "abcde":
+        stage_queue.put(Item(name, 1))
+    first = stage_queue.take()
+    assert [entry.item.request_id for entry in first] == ["a", "b", "c"]
+    assert all(entry.waited_s >= 0 for entry in first)
+    assert take_ids(stage_queue, 1) == [["d", "e"]]
+
+
+def test_a_free_replica_waits_for_work_arriving_after_it_took_the_first_item():
+    stage_queue = queue(max_rows=8, wait_us=100_000)
+    stage_queue.put(Item("first", 1))
+    taken = []
+    taker = threading.Thread(target=lambda: taken.append(stage_queue.take()))
+    taker.start()
+    while stage_queue._entries:  # the replica holds "first" and is waiting for batch-mates
+        threading.Event().wait(0.001)
+    stage_queue.put(Item("late", 1))
+    taker.join()
+    assert [entry.item.request_id for entry in taken[0]] == ["first", "late"]
+
+
+def test_limits_take_the_deploy_keys_over_the_declaration():
+    declared = StagePipelineConfig(stage_id=0, model_stage="x", max_batch_rows=32, max_batch_tokens=8192,
+                                   batch_wait_us=250)
+    limits = BatchLimits.for_stage(declared, BatchingConfig(max_batch_rows=1, max_batch_bytes=1024))
+    assert limits.to_dict() == {"max_batch_rows": 1, "max_batch_tokens": 8192, "max_batch_markers": None,
+                                "max_batch_bytes": 1024, "batch_wait_us": 250}
+    assert BatchLimits.for_stage(StagePipelineConfig(stage_id=0, model_stage="x"), BatchingConfig()).wait_us == DEFAULT_BATCH_WAIT_US
+    shape = BatchShape(rows=4, tokens=64, markers=8, bytes=100, real_rows=3, real_tokens=40)
+    assert BatchLimits(max_rows=4, max_tokens=64, max_markers=8, max_bytes=100).admits(shape)
+    for tight in ({"max_rows": 3}, {"max_tokens": 63}, {"max_markers": 7}, {"max_bytes": 99}):
+        assert not BatchLimits(**{"max_rows": 4, **tight}).admits(shape)
+
+
+def test_the_axis_zero_adapter_merges_and_splits_by_rows():
+    adapter = AxisZeroAdapter()
+    a, b = {"x": np.zeros((2, 4), np.float32)}, {"x": np.ones((3, 4), np.float32)}
+    assert adapter.group(a) == adapter.group(b) != adapter.group({"x": np.zeros((2, 5), np.float32)})
+    assert adapter.group({"x": np.zeros((3, 4)), "m": np.zeros((2,))}) is None  # rows disagree: runs alone
+    assert adapter.footprint(a) == Footprint(rows=2, row_bytes=16)
+    assert adapter.padded(adapter.footprint(a).combine(adapter.footprint(b))).bytes == 80
+    assert adapter.pack([a, b])["x"].shape == (5, 4)
+    parts = adapter.unpack({"y": np.arange(10).reshape(5, 2)}, [a, b])
     assert [p["y"].tolist() for p in parts] == [[[0, 1], [2, 3]], [[4, 5], [6, 7], [8, 9]]]
     assert parts[0]["y"].base is None  # a copy: no request keeps a view of the others' rows
-    with pytest.raises(ValueError, match="axis 0 = 5"):
-        split_outputs({"y": np.zeros((4, 2))}, [2, 3])
+    with pytest.raises(ValueError, match="axis 0 >= 5"):
+        split_rows({"y": np.zeros((4, 2))}, [2, 3])
+
+
+def test_batch_stats_count_calls_rows_requests_waits_and_padding():
+    stats = BatchStats()
+    assert stats.snapshot()["padding_efficiency"] is None
+    stats.record_call(BatchShape(rows=4, tokens=64, markers=8, bytes=0, real_rows=3, real_tokens=48), requests=2)
+    stats.record_waits([0.0002, 0.003])
+    snapshot = stats.snapshot()
+    assert (snapshot["calls"], snapshot["rows"], snapshot["padded_rows"]) == (1, 3, 4)
+    assert snapshot["padding_efficiency"] == 48 / 64
+    histograms = snapshot["histograms"]
+    assert histograms["batch_requests"]["buckets"][:2] == [[1, 0], [2, 1]]
+    assert histograms["queue_wait_seconds"]["count"] == 2
+    assert dict(map(tuple, histograms["queue_wait_seconds"]["buckets"]))[0.00025] == 1
 
 
 async def queue_behind_blocker(omni, engine, prompts):
@@ -87,17 +157,63 @@ def test_compatible_requests_share_calls_and_get_exactly_their_rows(make_plan, e
             return [o.custom_output["s2000"] for o in outputs[1:]], replica, stats, omni.execution_plan["stages"][0]
 
     batched, replica, stats, stage = asyncio.run(serve(BATCHING))
-    unbatched, _, single_stats, _ = asyncio.run(serve(None))
-    assert stage["batching"] == {"max_batch_rows": 8, "batch_wait_us": 0}
+    unbatched, _, single_stats, _ = asyncio.run(serve({"max_batch_rows": 1}))
+    assert {key: stage["batching"][key] for key in ("max_batch_rows", "batch_wait_us", "adapter")} == {
+        "max_batch_rows": 8, "batch_wait_us": DEFAULT_BATCH_WAIT_US, "adapter": None}
     # blocker; the six width-32 rows; 8 rows of width 16 (four requests); the last one
     assert stats["runs"] == replica["calls"] == 4 and replica["items"] == 12
     assert single_stats["runs"] == 12
+    batch_stats = stage["batching"]["stats"]
+    assert batch_stats["calls"] == 4 and batch_stats["rows"] == batch_stats["padded_rows"] == 32768 + 16
+    assert batch_stats["histograms"]["batch_requests"]["sum"] == 12
+    assert batch_stats["padding_efficiency"] == 1.0  # the axis-0 adapter pads nothing
     for prompt, out, reference in zip(prompts, batched, unbatched):
         assert out.shape == prompt["tensors"]["x"].shape
         assert np.array_equal(out, reference)
 
 
-def test_a_failing_batched_call_fails_each_request_and_the_replica_is_replaced(make_plan, engine):
+@pytest.fixture(scope="module")
+def lookup_bundle(tmp_path_factory):
+    """y = table[index]: table float32 [8, 4], index int64 [b]; an index past 7 fails ORT's Gather."""
+    folder = tmp_path_factory.mktemp("lookup") / "lookup"
+    folder.mkdir()
+    table = numpy_helper.from_array(np.arange(32, dtype=np.float32).reshape(8, 4), "table")
+    graph = helper.make_graph([helper.make_node("Gather", ["table", "index"], ["y"], axis=0)], "lookup",
+                              [helper.make_tensor_value_info("index", TensorProto.INT64, ["b"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])], initializer=[table])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), folder / "graph.onnx")
+    np.savez(folder / "inputs.npz", index=np.array([0, 7], np.int64))
+    pack_bundle(folder, component="test.lookup", example_inputs_file="inputs.npz")
+    return folder
+
+
+def lookup_plan(bundle, batching):
+    return validate_deploy_config({"pipeline": "test-batching-lookup", "stages": [{
+        "stage_id": 0, "model_stage": "lookup", "final_output": True, "final_output_type": "tensors",
+        "batching": batching,
+        "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle),
+                    "route": {"name": "cpu", "interpreter": sys.executable, "intra_op_num_threads": 1}}}]})
+
+
+def test_a_request_level_fault_in_a_merged_call_fails_only_its_request(lookup_bundle):
+    prompts = [{"tensors": {"index": np.array(rows, np.int64)}} for rows in ([1, 2], [99], [7], [3, 0, 5])]
+    # a long wait: the four requests, submitted together, are merged into one call
+    with Omni(deploy_config=lookup_plan(lookup_bundle, {"max_batch_rows": 16, "batch_wait_us": 100_000})) as omni:
+        outputs = omni.generate(prompts)
+        stage = omni.execution_plan["stages"][0]
+    good = [o for i, o in enumerate(outputs) if i != 1]
+    assert all(o.error is None for o in good)
+    for prompt, output in zip([p for i, p in enumerate(prompts) if i != 1], good):
+        assert output.custom_output["y"].tolist() == [[4 * i + j for j in range(4)] for i in prompt["tensors"]["index"]]
+    assert outputs[1].error.startswith("RemoteError: run_failed") and "idx=99" in outputs[1].error
+    (replica,) = stage["replicas"]
+    # the merged call, then one call per request (three answered); the worker stays: a request-level fault
+    assert stage["batching"]["stats"]["histograms"]["batch_requests"]["buckets"][:3] == [[1, 4], [2, 4], [4, 5]]
+    assert replica["generation"] == 1 and replica["state"] == "serving" and replica["calls"] == 3
+
+
+def test_a_worker_dying_mid_batch_fails_each_request_retryably_and_is_replaced(make_plan, engine):
+    # any request of the call may have killed the worker, so none is re-queued onto its replacement
     async def main():
         async with AsyncOmni(deploy_config=make_plan("rows", batching={"max_batch_rows": 65536})) as omni:
             blocker = asyncio.create_task(engine.first(omni, BLOCKER, "blocker"))
@@ -113,7 +229,7 @@ def test_a_failing_batched_call_fails_each_request_and_the_replica_is_replaced(m
             return errors, after
 
     errors, after = asyncio.run(main())
-    assert all(isinstance(e, StageUnavailable) and "WorkerDied" in str(e) for e in errors)
+    assert all(isinstance(e, StageUnavailable) and "WorkerDied" in str(e) and e.retry_after == 1.0 for e in errors)
     assert after.custom_output["s2000"].shape == (1, 32)
 
 
@@ -129,13 +245,14 @@ def test_cancelling_one_request_of_a_batch_drops_only_its_rows(make_plan, engine
             await omni.abort("b1")
             results = await asyncio.gather(*batch, return_exceptions=True)
             (replica,) = engine.replicas(omni)
-            return prompts, results, replica
+            alone = await engine.first(omni, prompts[2], "alone")
+            return results, replica, alone
 
-    prompts, results, replica = asyncio.run(main())
+    results, replica, alone = asyncio.run(main())
     assert isinstance(results[1], RequestCancelled)
     assert [r.request_id for r in (results[0], results[2])] == ["b0", "b2"]
     assert results[0].custom_output["s2000"].shape == (16384, 32)
-    assert not np.array_equal(results[0].custom_output["s2000"], results[2].custom_output["s2000"])
+    assert np.array_equal(results[2].custom_output["s2000"], alone.custom_output["s2000"])
     assert replica["state"] == "serving" and replica["generation"] == 1 and replica["items"] == 4
 
 
