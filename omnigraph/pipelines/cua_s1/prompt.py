@@ -193,8 +193,8 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
+def _strftime_now(date_format: str) -> str:
+    return datetime.now().strftime(date_format)
 
 
 def compile_chat_template(source: str) -> jinja2.Template:

@@ -5,7 +5,8 @@ shared strict parser (``omnigraph.pipelines.laya.request.parse_request``: fields
 surrogates, duplicate labels, ``option_order``, size limits), then against Cua-S1's contract:
 every question a ``choice`` with 2 to 26 options. Each option is shown to the model by its
 description when the criteria give one, else by its label, as the Cua Driver's decision model
-does; ``instructions`` become the ``Goal:`` line and ``state`` the accessibility tree.
+does; ``instructions`` (required, as everywhere in the Decision API) become the ``Goal:`` line
+and ``state`` the accessibility tree.
 """
 
 from __future__ import annotations
