@@ -16,6 +16,7 @@ from omnigraph import AsyncOmni, Omni
 from omnigraph.bundles import pack_bundle
 from omnigraph.pipelines.config import StagePipelineConfig
 from omnigraph.pipelines.deploy import GRAPH_BACKEND, BatchingConfig, validate_deploy_config
+from omnigraph.plugin.api.metrics import ServerMetrics
 from omnigraph.stages.batching import (
     DEFAULT_BATCH_WAIT_US, STOP, AxisZeroAdapter, BatchLimits, BatchShape, BatchStats, Footprint, StageQueue, split_rows,
 )
@@ -262,3 +263,17 @@ def test_batching_is_refused_for_a_graph_whose_batch_dim_is_not_axis_zero_only(m
                                                 "x\\['n', 'n'\\] uses the batch dim 'n' beyond axis 0"):
         AsyncOmni(deploy_config=make_plan("slow", capacity=100, demand=10, batching={"max_batch_rows": 4}))
     assert os_processes.children() == set()
+
+
+def test_batching_statistics_are_exported_as_prometheus_histograms_and_gauges():
+    stats = BatchStats()
+    stats.record_call(BatchShape(rows=4, tokens=64, markers=8, bytes=0, real_rows=3, real_tokens=48), requests=2)
+    stats.record_waits([0.0002])
+    text = ServerMetrics(lambda: 0, lambda: None, batch_stats=lambda: {0: stats.snapshot()}).render().decode()
+    for line in ('omnigraph_batch_rows_bucket{le="4.0",stage="0"} 1.0', 'omnigraph_batch_rows_sum{stage="0"} 3.0',
+                 'omnigraph_batch_requests_bucket{le="1.0",stage="0"} 0.0',
+                 'omnigraph_batch_queue_wait_seconds_bucket{le="0.00025",stage="0"} 1.0',
+                 'omnigraph_batch_padding_efficiency{stage="0"} 0.75',
+                 'omnigraph_batch_tokens_total{kind="padded",stage="0"} 64.0'):
+        assert line in text
+    assert "omnigraph_batch_rows_bucket" not in ServerMetrics(lambda: 0, lambda: None).render().decode()

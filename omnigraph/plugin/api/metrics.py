@@ -1,7 +1,8 @@
 """Prometheus metrics of one server: its own registry, so two apps in one process never collide.
 
-Counters and histograms are updated by the routes; queue depth and reservations are read from the
-engine at scrape time (a collector), so they are never stale.
+Counters and histograms are updated by the routes; queue depth, reservations and each stage's
+batching statistics (rows and requests per call, time queued, padding efficiency) are read from the
+engine at scrape time (collectors), so they are never stale.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -44,12 +46,47 @@ class _EngineGauges(Collector):
         yield from (capacity, charged, reservations)
 
 
+class _BatchingMetrics(Collector):
+    """Each stage's `BatchStats` snapshot (stages/batching.py), as Prometheus histograms and gauges."""
+
+    _HISTOGRAMS = (("batch_rows", "omnigraph_batch_rows", "Request rows per worker call (padding excluded)"),
+                   ("batch_requests", "omnigraph_batch_requests", "Requests per worker call"),
+                   ("queue_wait_seconds", "omnigraph_batch_queue_wait_seconds",
+                    "Time a work item waited in its stage's queue"))
+
+    def __init__(self, batch_stats: Callable[[], Mapping[int, Mapping[str, Any]] | None]) -> None:
+        self._batch_stats = batch_stats
+
+    def collect(self) -> Iterable[HistogramMetricFamily | GaugeMetricFamily | CounterMetricFamily]:
+        stages = sorted((self._batch_stats() or {}).items())
+        for key, name, documentation in self._HISTOGRAMS:
+            family = HistogramMetricFamily(name, documentation, labels=["stage"])
+            for stage, stats in stages:
+                histogram = stats["histograms"][key]
+                family.add_metric([str(stage)], [(floatToGoString(bound), count) for bound, count in histogram["buckets"]],
+                                  histogram["sum"])
+            yield family
+        efficiency = GaugeMetricFamily("omnigraph_batch_padding_efficiency",
+                                       "Real over padded tokens of the calls so far (rows for graphs without tokens)",
+                                       labels=["stage"])
+        tokens = CounterMetricFamily("omnigraph_batch_tokens", "Tokens sent to workers, real or padded",
+                                     labels=["stage", "kind"])
+        for stage, stats in stages:
+            if stats["padding_efficiency"] is not None:
+                efficiency.add_metric([str(stage)], stats["padding_efficiency"])
+            tokens.add_metric([str(stage), "real"], stats["tokens"])
+            tokens.add_metric([str(stage), "padded"], stats["padded_tokens"])
+        yield from (efficiency, tokens)
+
+
 class ServerMetrics:
-    """The metrics one app exports at `GET /metrics` (inside vLLM: in vLLM's own registry)."""
+    """The metrics one app exports at `GET /metrics` (inside vLLM: in vLLM's own registry).
+    `batch_stats` returns each graph stage's batching statistics by stage id (None before start)."""
 
     def __init__(self, queue_depth: Callable[[], int | None],
                  ledger_snapshot: Callable[[], Mapping[str, Any] | None],
-                 registry: CollectorRegistry | None = None) -> None:
+                 registry: CollectorRegistry | None = None, *,
+                 batch_stats: Callable[[], Mapping[int, Mapping[str, Any]] | None] | None = None) -> None:
         self.registry = CollectorRegistry() if registry is None else registry
         self.requests = Counter("omnigraph_http_requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)
@@ -61,6 +98,8 @@ class ServerMetrics:
         self.disconnects = Counter("omnigraph_client_disconnects", "Requests aborted because their client went away",
                                    registry=self.registry)
         self.registry.register(_EngineGauges(queue_depth, ledger_snapshot))
+        if batch_stats is not None:
+            self.registry.register(_BatchingMetrics(batch_stats))
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
         self.requests.labels(route=route, status=str(status)).inc()
