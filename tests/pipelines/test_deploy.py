@@ -45,15 +45,18 @@ def test_relative_manifest_resolves_against_the_yaml(tmp_path, bundle_dir):
     assert resolve_pipeline(plan).model_type == "laya"
     # defaults: retired replicas are replaced (5 per minute); batching is what the pipeline declares
     assert (stage.restart.max_restarts, stage.restart.window_s) == (5, 60.0)
-    assert stage.batching.max_batch_rows is None and stage.batching.batch_wait_us == 0
+    assert stage.batching.model_dump() == dict.fromkeys(
+        ("max_batch_rows", "max_batch_tokens", "max_batch_markers", "max_batch_bytes", "batch_wait_us"))
 
 
 def test_restart_and_batching_keys(tmp_path, bundle_dir):
     text = PLAN.replace("        resource_budget:", "        restart: {max_restarts: 0, window_s: 30}\n"
-                        "        batching: {max_batch_rows: 16, batch_wait_us: 200}\n        resource_budget:")
+                        "        batching: {max_batch_rows: 16, max_batch_tokens: 4096, max_batch_markers: 512,"
+                        " max_batch_bytes: 1048576, batch_wait_us: 200}\n        resource_budget:")
     stage = load_deploy_config(write(tmp_path, "plan.yaml", text)).stage(0)
     assert (stage.restart.max_restarts, stage.restart.window_s) == (0, 30.0)
-    assert (stage.batching.max_batch_rows, stage.batching.batch_wait_us) == (16, 200)
+    assert stage.batching.model_dump() == {"max_batch_rows": 16, "max_batch_tokens": 4096, "max_batch_markers": 512,
+                                           "max_batch_bytes": 1048576, "batch_wait_us": 200}
 
 
 @pytest.mark.parametrize("old, new, path", [
@@ -69,6 +72,14 @@ def test_restart_and_batching_keys(tmp_path, bundle_dir):
     ("        resource_budget:", "        batching: {batch_wait_us: 1000000}\n        resource_budget:",
      "stages[0].batching.batch_wait_us:"),
     ("        resource_budget:", "        batching: {max_rows: 4}\n        resource_budget:", "stages[0].batching.max_rows: unknown key"),
+    ("        resource_budget:", "        batching: {max_batch_tokens: 0}\n        resource_budget:",
+     "stages[0].batching.max_batch_tokens:"),
+    ("        resource_budget:", "        batching: {max_batch_markers: -2}\n        resource_budget:",
+     "stages[0].batching.max_batch_markers:"),
+    ("        resource_budget:", "        batching: {max_batch_bytes: 1MiB}\n        resource_budget:",
+     "stages[0].batching.max_batch_bytes:"),
+    ("        resource_budget:", "        batching: {batch_wait_us: -1}\n        resource_budget:",
+     "stages[0].batching.batch_wait_us:"),
 ])
 def test_typos_name_the_yaml_path(tmp_path, bundle_dir, old, new, path):
     with pytest.raises(DeployConfigError) as error:
