@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 from omnigraph.bundles import BundleHashMismatch, verify_bundle
 from omnigraph.pipelines.open_jev.export import CheckpointInvalid, build_bundle, reference_scores
 from omnigraph.pipelines.open_jev.processor import OpenJevProcessor
+from omnigraph.pipelines.processor import RequestTooLarge
 from omnigraph.pipelines.open_jev.prompt import DEFAULT_PROMPT_TEMPLATE, PromptTemplate, PromptTemplateInvalid
 
 
@@ -29,8 +30,8 @@ def test_the_bundle_carries_backbone_head_template_and_calibration(jev_bundle, j
         assert jev_bundle.file(f"backbone/{name}").read_bytes() == (jev_checkpoint / "backbone" / name).read_bytes()
     layout = manifest.metadata.layout
     assert layout["backbone_dir"] == "backbone" and layout["hidden_size"] == 128
-    assert layout["max_model_len"] == json.loads((jev_checkpoint / "backbone" / "config.json").read_text())[
-        "max_position_embeddings"]
+    positions = json.loads((jev_checkpoint / "backbone" / "config.json").read_text())["max_position_embeddings"]
+    assert layout["max_model_len"] == min(4096, positions)
     assert layout["head_outputs"] == ["scores"]
     assert manifest.metadata.calibration["temperature"] == 1.5 and manifest.metadata.calibration["version"]
     assert PromptTemplate.from_file(jev_bundle.file("prompt_template.json")) == DEFAULT_PROMPT_TEMPLATE
@@ -113,3 +114,15 @@ def test_a_changed_backbone_file_fails_verification(jev_bundle, tmp_path):
 def test_an_existing_output_folder_is_refused(jev_checkpoint, jev_bundle):
     with pytest.raises(FileExistsError):
         build_bundle(jev_checkpoint, jev_bundle.root)
+
+
+def test_max_model_len_is_the_backbones_when_smaller(jev_checkpoint, tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(jev_checkpoint, checkpoint)
+    config_path = checkpoint / "backbone" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "max_position_embeddings": 64}))
+    bundle = build_bundle(checkpoint, tmp_path / "bundle")
+    assert bundle.manifest.metadata.layout["max_model_len"] == 64
+    processor = OpenJevProcessor({1: bundle})
+    with pytest.raises(RequestTooLarge, match="max_model_len=64"):
+        processor.prepare({"state": "word " * 64, "questions": {"q": {"type": "noul", "instructions": "?"}}})

@@ -10,9 +10,11 @@ The bundle holds both stages' artifacts, so one manifest verifies everything tha
 - `backbone/`: every file of the checkpoint's backbone folder, which the native stage's vLLM loads;
 - `prompt_template.json`: the checkpoint's own template when it carries one, else
   `prompt.DEFAULT_PROMPT_TEMPLATE`;
-- metadata `layout` (`backbone_dir`, `hidden_size`, `max_model_len` = the backbone's
-  `max_position_embeddings`, `head_outputs`, the graph's I/O) and `calibration` (the temperature
-  and a version hashing it).
+- metadata `layout` (`backbone_dir`, `hidden_size`, `max_model_len`, `head_outputs`, the graph's
+  I/O) and `calibration` (the temperature and a version hashing it). `max_model_len` is the
+  released loader's default prompt limit (4096 tokens, which its evaluations used), or the
+  backbone's `max_position_embeddings` where that is smaller: a real Qwen backbone's 262144
+  positions would size vLLM's KV cache for prompts Open-Jev never serves.
 
 The graph is built directly with `onnx.helper` (no torch), checked against NumPy float64 on
 `inputs.npz` in ONNX Runtime before packing, and everything is written in a staged folder renamed
@@ -45,7 +47,7 @@ from omnigraph.pipelines.open_jev.synth import BACKBONE_DIR, HEAD_FILE, TEMPERAT
 __all__ = ["BundleValidationFailed", "CheckpointInvalid", "build_bundle", "cached_bundle", "default_bundle"]
 
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
-EXPORTER_VERSION = 1
+EXPORTER_VERSION = 2
 OPSET = 17
 PRECISIONS = ("fp32",)
 GRAPH_FILE = "graph.onnx"
@@ -54,6 +56,8 @@ HEAD_INPUT = "hidden_states"
 EXAMPLE_PROMPTS = 5
 #: Backbone files vLLM and the processor need; any other files of the folder travel too.
 BACKBONE_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json")
+#: The released Open-Jev loader's default --max-length: longer prompts are refused, not truncated.
+MAX_MODEL_LEN = 4096
 #: ORT's float64 dot product may sum in another order than NumPy's.
 SCORE_TOLERANCE = 1e-9
 
@@ -82,8 +86,8 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
         raise FileExistsError(f"{out} already exists: build into a new folder")
     backbone_files = _backbone_files(checkpoint)
     config = _read_json(checkpoint / BACKBONE_DIR / "config.json")
-    hidden_size, max_model_len = config.get("hidden_size"), config.get("max_position_embeddings")
-    for key, value in (("hidden_size", hidden_size), ("max_position_embeddings", max_model_len)):
+    hidden_size, positions = config.get("hidden_size"), config.get("max_position_embeddings")
+    for key, value in (("hidden_size", hidden_size), ("max_position_embeddings", positions)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CheckpointInvalid(f"{checkpoint / BACKBONE_DIR / 'config.json'}: {key} must be a positive "
                                     f"integer, got {value!r}")
@@ -110,7 +114,7 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
             metadata={
                 "checkpoint_revision": revision,
                 "precision": precision,
-                "layout": bundle_layout(hidden_size, max_model_len),
+                "layout": bundle_layout(hidden_size, min(MAX_MODEL_LEN, positions)),
                 "exporter": exporter_info(),
                 "calibration": calibration(temperature),
                 "validation": validation,

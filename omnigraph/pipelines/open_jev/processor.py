@@ -130,7 +130,7 @@ class OpenJevProcessor:
         for question, group in zip(decision.questions, prompts):
             ids = [encoded[start + i].ids for i in range(len(group))]
             start += len(group)
-            self._check_budget(question, ids, decision.state_text)
+            self._check_budget(question, ids)
             lengths = [len(prompt_ids) for prompt_ids in ids]
             work.append({
                 "prompt_token_ids": np.fromiter((t for prompt_ids in ids for t in prompt_ids), dtype=np.int64),
@@ -155,7 +155,7 @@ class OpenJevProcessor:
         return tuple(option.removeprefix(f"{label}: ")  # type: ignore[return-value]
                      for option, label in zip(question.options, _NOUL_LABELS))
 
-    def _check_budget(self, question: Question, ids: Sequence[Sequence[int]], state_text: str) -> None:
+    def _check_budget(self, question: Question, ids: Sequence[Sequence[int]]) -> None:
         """Refuse a question whose longest prompt exceeds ``max_model_len`` (never truncated)."""
         longest = max(range(len(ids)), key=lambda i: len(ids[i]))
         if len(ids[longest]) <= self._max_model_len:
@@ -166,10 +166,9 @@ class OpenJevProcessor:
             field = f"questions.{question.qid}.criteria.{question.keys[longest]}"
         else:
             field = f"questions.{question.qid}.criteria.{longest}"
-        raise RequestTooLarge(field, f"its prompt has {len(ids[longest])} tokens, over the backbone's "
-                                     f"max_model_len={self._max_model_len} (the state alone is "
-                                     f"{len(state_text)} characters); Open-Jev refuses rather than "
-                                     f"truncates: shorten the state, instructions or candidate")
+        raise RequestTooLarge(field, f"its prompt (state, instructions and candidate) has {len(ids[longest])} "
+                                     f"tokens, over the backbone's max_model_len={self._max_model_len}; Open-Jev "
+                                     f"refuses rather than truncates")
 
     def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict:
         """The response: each question decoded over its own candidates' scores only."""
