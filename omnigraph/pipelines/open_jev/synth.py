@@ -16,8 +16,8 @@ package with what a bundle needs to be self-contained::
 
 and, like the release, no prompt template file (the exporter then writes the documented default,
 ``prompt.DEFAULT_PROMPT_TEMPLATE``). The ``tiny`` size uses the shared tiny Qwen3 backbone
-(hidden 128, 2 layers) and the temperature 1.5, chosen here: between the released ones' range and
-1, so a missing or doubled temperature shows in every probability.
+(hidden 128, 2 layers) and the temperature 1.5, chosen here (near the released 2B's 1.52; not 1,
+so a missing or doubled temperature shows in every probability).
 
 Random backbones give nearly identical final hidden states for prompts that differ only in their
 candidate line, so the head is scaled (``HEAD_SCALE``) until one question's candidate scores
@@ -39,8 +39,8 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from omnigraph.bundles import staged_bundle_dir
-from omnigraph.pipelines.laya.synth import cache_root
 from omnigraph.pipelines.laya.request import parse_request
+from omnigraph.pipelines.laya.synth import cache_root
 from omnigraph.pipelines.open_jev.processor import WARMUP_REQUEST
 from omnigraph.pipelines.open_jev.prompt import DEFAULT_PROMPT_TEMPLATE, question_prompts
 from omnigraph.pipelines.qwen.synth import synthesize_qwen3_backbone
