@@ -6,13 +6,12 @@ import pytest
 
 from omnigraph.bundles import verify_bundle
 from omnigraph.pipelines.cua_s1.pipeline import CUA_S1_PIPELINE
-from omnigraph.pipelines.registry import register_pipeline
+from omnigraph.pipelines.registry import get_pipeline
 from omnigraph.plugin.cli import main
 
 
-@pytest.fixture(autouse=True)
-def registered():
-    register_pipeline(CUA_S1_PIPELINE)  # the package's entry point does this for an installed omnigraph
+def test_the_installed_entry_point_names_the_declaration():
+    assert get_pipeline("cua_s1") == CUA_S1_PIPELINE
 
 
 def test_synth_then_build_from_the_command_line(tmp_path, capsys):

@@ -25,12 +25,6 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 STARTUP_TIMEOUT_S = 600
-# `omnigraph serve`, with Cua-S1 registered in the server process (it is found by name once the
-# package's entry points list it; registering the same declaration again is a no-op).
-SERVE = ("from omnigraph.pipelines.registry import register_pipeline; "
-         "from omnigraph.pipelines.cua_s1.pipeline import CUA_S1_PIPELINE; "
-         "from omnigraph.plugin.cli import main; "
-         "register_pipeline(CUA_S1_PIPELINE); raise SystemExit(main(['serve', *__import__('sys').argv[1:]]))")
 
 REQUEST = {
     "model": "cua_s1",
@@ -50,8 +44,9 @@ def server(cua_bundle, tmp_path_factory):
         port = sock.getsockname()[1]
     log_path = tmp_path_factory.mktemp("cua-serve") / "server.log"
     with log_path.open("w") as log:
-        process = subprocess.Popen([sys.executable, "-c", SERVE, "cua_s1", "--bundle", str(cua_bundle.root),
-                                    "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen([sys.executable, "-m", "omnigraph.plugin.cli", "serve", "cua_s1",
+                                    "--bundle", str(cua_bundle.root), "--port", str(port)],
+                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -55,11 +55,8 @@ def reference_response(processor, model, letter_ids: list[int], request: dict) -
 
 @pytest.fixture(scope="module")
 def omni(cua_bundle):
-    from omnigraph.pipelines.cua_s1.pipeline import CUA_S1_PIPELINE
-    from omnigraph.pipelines.registry import register_pipeline
     from omnigraph.plugin.omni import AsyncOmni
 
-    register_pipeline(CUA_S1_PIPELINE)
     omni = AsyncOmni(model="cua_s1", bundle=cua_bundle.root)
     try:
         yield omni
