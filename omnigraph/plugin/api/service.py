@@ -56,13 +56,13 @@ class DecisionEngine(Protocol):
 
 
 def backend_description(execution_plan: Mapping[str, Any]) -> str:
-    """What computes the answers, stage by stage, e.g. `vllm 0.32.0 float32 -> onnxruntime 1.32.0
-    CPUExecutionProvider`."""
+    """What computes the answers, stage by stage, e.g. `vllm 0.32.0 float32 (in-process AsyncLLM)
+    -> onnxruntime 1.32.0 CPUExecutionProvider`."""
     stages = []
     for stage in execution_plan["stages"]:
         replica = stage["replicas"][0]
         if stage["execution_type"] == "llm_pooling":
-            stages.append(f"vllm {stage['vllm_version']} {replica['dtype']}")
+            stages.append(f"vllm {stage['vllm_version']} {replica['dtype']} ({replica['engine']})")
         else:
             stages.append(f"onnxruntime {replica['onnxruntime_version']} {replica['session_providers'][0]}")
     return " -> ".join(stages)
