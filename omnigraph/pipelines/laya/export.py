@@ -2,8 +2,9 @@
 
 `build_bundle` reads a checkpoint in the published layout, builds our own torch module of the
 decision graph (`graph.py`), loads every weight strictly, exports it with the TorchScript ONNX
-exporter (opset 17, dynamic B / L / M), stores all weights in one external file `weights.bin`,
-runs the exported graph in ONNX Runtime against the torch module on a realistic bucket-padded
+exporter (opset 17, dynamic B / L / M), replaces the traced encoder by one on ONNX Runtime's fused
+operators (`ort_encoder.py`), stores all weights in one external file `weights.bin`, runs the
+exported graph in ONNX Runtime against the torch module on a realistic bucket-padded
 batch (`inputs.npz`) and refuses the bundle if they disagree, then packs the folder with the
 tokenizer and agent config into a bundle. Everything is written in a staged folder renamed onto
 `out` at the end, so a failure leaves nothing behind.
@@ -52,6 +53,7 @@ from omnigraph.pipelines.laya.graph import (
     load_checkpoint_weights,
     read_json,
 )
+from omnigraph.pipelines.laya import ort_encoder
 from omnigraph.pipelines.laya.decoding import softmax
 from omnigraph.pipelines.laya.processor import COMPONENT
 from omnigraph.pipelines.laya.request import QUESTION_TYPES
@@ -59,7 +61,7 @@ from omnigraph.pipelines.laya.sequence import OPTION_TOKEN_LIMIT, BatchLayout
 from omnigraph.pipelines.laya.synth import cache_root, cached_checkpoint
 
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
-EXPORTER_VERSION = 3
+EXPORTER_VERSION = 4
 OPSET = 17
 PRECISIONS = ("fp32", "fp16", "bf16")
 INPUT_NAMES = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")
@@ -134,7 +136,7 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
     with staged_bundle_dir(out) as staging:
         custom_ops = None
         if fast_graph is None:
-            export_onnx(module, inputs, staging / GRAPH_FILE, precision)
+            export_onnx(module, inputs, staging / GRAPH_FILE, precision, encoder_max_len=layout["max_len"])
         else:
             fast_graph.export_fast_onnx(module, inputs, staging / GRAPH_FILE, activation=PRECISION_DTYPES[precision])
             custom_ops = fast_graph.bundle_ops_library(staging)
@@ -293,8 +295,14 @@ def example_inputs(tokenizer: Tokenizer, layout: dict[str, Any]) -> dict[str, np
     return inputs
 
 
-def export_onnx(module: DecisionGraph, inputs: dict[str, np.ndarray], graph_path: Path, precision: str) -> None:
-    """Trace `module` to ONNX at `graph_path`, every initializer in the one external file weights.bin."""
+def export_onnx(module: DecisionGraph, inputs: dict[str, np.ndarray], graph_path: Path, precision: str,
+                *, encoder_max_len: int | None = None) -> None:
+    """Trace `module` to ONNX at `graph_path`, every initializer in the one external file weights.bin.
+
+    With `encoder_max_len`, the traced encoder is replaced by ONNX Runtime's fused operators
+    (`ort_encoder.substitute_encoder`, rows of up to that many tokens): what the plain bundles run.
+    Without, the graph is the trace itself, which `fast_graph` rewrites.
+    """
     args = tuple(torch.from_numpy(inputs[name]) for name in INPUT_NAMES)
     with tempfile.TemporaryDirectory(prefix="laya-export-") as scratch:
         traced = Path(scratch) / "traced.onnx"
@@ -308,11 +316,13 @@ def export_onnx(module: DecisionGraph, inputs: dict[str, np.ndarray], graph_path
                 dynamic_axes=DYNAMIC_AXES,
                 opset_version=OPSET,
                 # Unfolded, initializers keep the checkpoint's parameter names (store_weights_as and
-                # fast_graph select by them); ONNX Runtime folds the weight transposes at load.
+                # the encoder substitutions select by them); ONNX Runtime folds the weight transposes at load.
                 do_constant_folding=False,
                 dynamo=False,
             )
         model = onnx.load(str(traced))
+    if encoder_max_len is not None:
+        model = ort_encoder.substitute_encoder(model, module, max_len=encoder_max_len)
     if precision in _STORED_TYPES:
         store_weights_as(model, _STORED_TYPES[precision])
     model.graph.name = "laya_decision"

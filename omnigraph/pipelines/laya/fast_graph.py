@@ -1,8 +1,8 @@
 """The Laya decision graph with its encoder on the omnigraph custom ops (the "fast" bundle).
 
-The decision graph is first exported exactly as the fp32 bundle is (`export.export_onnx` of
-`graph.DecisionGraph`); then the encoder's nodes are replaced by a chain built here from the same
-weights, per layer:
+The decision graph is first traced as the fp32 bundle is (`export.export_onnx` of
+`graph.DecisionGraph`, without the fused-operator encoder); then the encoder's nodes are replaced
+(`ort_encoder.replace_encoder`) by a chain built here from the same weights, per layer:
 
     MatMul(Wqkv) -> ModernBertAttention -> MatMul(Wo) -> AddLayerNorm -> MatMul(Wi) -> GeGLU
     -> MatMul(Wo) -> AddLayerNorm (the next layer's attn_norm, or final_norm)
@@ -29,19 +29,15 @@ from onnx import TensorProto, helper, numpy_helper
 
 from omnigraph.pipelines.laya.export import WEIGHTS_FILE, export_onnx
 from omnigraph.pipelines.laya.graph import LOCAL, DecisionGraph, EncoderConfig
+from omnigraph.pipelines.laya.ort_encoder import EncoderSubstitutionError, replace_encoder
 from omnigraph.workers.ops.graphs import DOMAIN, OPSET
 from omnigraph.workers.ops.loader import SUPPORTED_ABI_VERSION
 
 __all__ = ["ACTIVATIONS", "FastGraphError", "bundle_ops_library", "export_fast_onnx", "substitute_encoder"]
 
 ACTIVATIONS = {"bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}
-# The exporter names every node by its module path; the encoder's output is final_norm's.
-_ENCODER_SCOPE = "/encoder/"
-_ENCODER_OUTPUT_SCOPE = "/encoder/final_norm/"
-
-
-class FastGraphError(RuntimeError):
-    """The exported decision graph does not have the shape the substitution relies on."""
+# The traced graph lacks the encoder the substitution replaces (the error ort_encoder raises).
+FastGraphError = EncoderSubstitutionError
 
 
 def _weight_tensor(name: str, matrix: np.ndarray, data_type: int) -> onnx.TensorProto:
@@ -112,44 +108,16 @@ def _encoder_nodes(
     return nodes, initializers
 
 
-def _needed_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """The nodes the graph outputs depend on, in their order (dead-code elimination)."""
-    needed = {output.name for output in graph.output}
-    kept = []
-    for graph_node in reversed(graph.node):
-        if needed.intersection(graph_node.output):
-            kept.append(graph_node)
-            needed.update(graph_node.input)
-    return kept[::-1]
-
-
 def substitute_encoder(
     model: onnx.ModelProto, module: DecisionGraph, *, activation: str = "bfloat16"
 ) -> onnx.ModelProto:
-    """`model` (the fp32 export of `module`, weights loaded) with its encoder on the custom ops."""
+    """`model` (the traced fp32 export of `module`, weights loaded) with its encoder on the custom ops."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
-    graph = model.graph
-    producers = [n for n in graph.node if n.name.startswith(_ENCODER_OUTPUT_SCOPE)]
-    outside_inputs = {name for n in graph.node if not n.name.startswith(_ENCODER_SCOPE) for name in n.input}
-    hidden = [out for n in producers for out in n.output if out in outside_inputs]
-    if len(hidden) != 1:
-        raise FastGraphError(f"expected one encoder output from nodes under {_ENCODER_OUTPUT_SCOPE!r}, found {hidden}")
     weights = {name: tensor.detach().float().numpy() for name, tensor in module.state_dict().items()}
-    new_nodes, new_initializers = _encoder_nodes(module.encoder.config, weights, ACTIVATIONS[activation], hidden[0])
-
-    fast = onnx.ModelProto()
-    fast.CopyFrom(model)
-    remaining = [n for n in fast.graph.node if hidden[0] not in n.output]
-    del fast.graph.node[:]
-    fast.graph.node.extend([*new_nodes, *remaining])
-    kept = _needed_nodes(fast.graph)
-    del fast.graph.node[:]
-    fast.graph.node.extend(kept)
-    used = {name for n in kept for name in n.input}
-    initializers = [t for t in fast.graph.initializer if t.name in used] + new_initializers
-    del fast.graph.initializer[:]
-    fast.graph.initializer.extend(initializers)
+    fast = replace_encoder(
+        model, lambda hidden: _encoder_nodes(module.encoder.config, weights, ACTIVATIONS[activation], hidden)
+    )
     fast.opset_import.append(helper.make_opsetid(DOMAIN, OPSET))
     fast.graph.name = f"laya_decision_fast_{activation}"
     return fast
