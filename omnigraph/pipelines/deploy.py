@@ -384,8 +384,10 @@ def _format_errors(exc: ValidationError) -> str:
         where = _yaml_path(error["loc"])
         if error["type"] == "extra_forbidden":
             lines.append(f"{where}: unknown key")
-        elif error["type"] == "missing":
-            lines.append(f"{where}: required key is missing")
+        elif error["type"] in ("missing", "union_tag_not_found"):  # the latter: a backend without `name`
+            lines.append(f"{where}{'.name' if error['type'] == 'union_tag_not_found' else ''}: required key is missing")
+        elif error["type"] == "union_tag_invalid":
+            lines.append(f"{where}.name: unknown backend {error['ctx']['tag']!r}; expected {error['ctx']['expected_tags']}")
         else:
             message = error["msg"].removeprefix("Value error, ")
             lines.append(f"{where}: {message} (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else f"{where}: {message}")

@@ -149,6 +149,8 @@ def _prompts(seed: int, count: int, max_len: int = 40) -> list[list[int]]:
     ({"model": "/nonexistent/backbone"}, r"stages\[0\]\.backend\.model: no checkpoint folder"),
     ({"max_model_len": 0}, r"stages\[0\]\.backend\.max_model_len:"),
     ({"tokenizer": "x"}, r"stages\[0\]\.backend\.tokenizer: unknown key"),
+    ({"name": "vllm.pooling.v2"}, r"stages\[0\]\.backend\.name: unknown backend 'vllm.pooling.v2'; expected "
+                                  r"'external.graph.v1', 'vllm.pooling.v1'"),
 ])
 def test_native_backend_typos_name_the_yaml_path(bundle, change, message):
     with pytest.raises(DeployConfigError, match=message):
