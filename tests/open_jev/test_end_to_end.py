@@ -25,9 +25,7 @@ import numpy as np
 import openai
 import pytest
 
-from omnigraph.pipelines.open_jev.pipeline import OPEN_JEV_PIPELINE
 from omnigraph.pipelines.processor import RequestInvalid
-from omnigraph.pipelines.registry import register_pipeline
 from omnigraph.plugin.api.openai_schema import decision_prompt, parse_chat_request, plan_decisions
 
 from .conftest import assert_matches_reference
@@ -53,17 +51,12 @@ REQUESTS = [
                    "tag": {"type": "choice", "instructions": "Tag it", "criteria": ["billing", "refund", "spam", 4]}}},
 ]
 BAD_REQUEST = {"state": "s", "questions": {"q": {"type": "choice", "instructions": "x?", "criteria": []}}}
-# Registers the declaration, then runs the CLI: works whether or not the entry point is installed.
-SERVE = ("import sys; from omnigraph.pipelines.registry import register_pipeline; "
-         "from omnigraph.pipelines.open_jev.pipeline import OPEN_JEV_PIPELINE; "
-         "register_pipeline(OPEN_JEV_PIPELINE); from omnigraph.plugin.cli import main; sys.exit(main())")
 
 
 @pytest.fixture(scope="module")
 def omni(jev_bundle):
     from omnigraph.plugin.omni import AsyncOmni
 
-    register_pipeline(OPEN_JEV_PIPELINE)
     with AsyncOmni(model="open_jev", bundle=jev_bundle.root, startup_timeout=STARTUP_TIMEOUT_S) as engine:
         yield engine
 
@@ -112,7 +105,8 @@ def server_url(jev_bundle, tmp_path_factory):
     log = tmp_path_factory.mktemp("open-jev-serve") / "serve.log"
     with log.open("w") as stream:
         process = subprocess.Popen(
-            [sys.executable, "-c", SERVE, "serve", "open_jev", "--bundle", str(jev_bundle.root), "--port", str(port)],
+            [sys.executable, "-m", "omnigraph.plugin.cli", "serve", "open_jev", "--bundle", str(jev_bundle.root),
+             "--port", str(port)],
             stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from omnigraph.pipelines.config import StageExecutionType
 from omnigraph.pipelines.open_jev.pipeline import OPEN_JEV_PIPELINE
-from omnigraph.pipelines.registry import get_pipeline, register_pipeline, resolve_dotted
+from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 
 
 def test_the_backbone_feeds_the_head_which_answers():
@@ -16,12 +16,11 @@ def test_the_backbone_feeds_the_head_which_answers():
     assert head.max_batch_rows > 1  # prompts of questions queued together share one head call
 
 
-def test_every_dotted_name_resolves_and_the_pipeline_registers():
+def test_every_dotted_name_resolves_and_the_entry_point_names_the_pipeline():
     from omnigraph.pipelines.open_jev import export, processor, synth
 
     assert resolve_dotted(OPEN_JEV_PIPELINE.processor) is processor.OpenJevProcessor
     assert resolve_dotted(OPEN_JEV_PIPELINE.bundle_builder) is export.build_bundle
     assert resolve_dotted(OPEN_JEV_PIPELINE.checkpoint_synthesizer) is synth.synthesize_checkpoint
     assert resolve_dotted(OPEN_JEV_PIPELINE.default_bundle) is export.default_bundle
-    register_pipeline(OPEN_JEV_PIPELINE)
     assert get_pipeline("open_jev") is OPEN_JEV_PIPELINE
