@@ -16,7 +16,17 @@ import pytest
 from omnigraph.bundles import BundleHashMismatch, verify_bundle
 from omnigraph.pipelines.laya import export
 from omnigraph.pipelines.laya.export import build_bundle, default_bundle
-from omnigraph.pipelines.laya.graph import CheckpointInvalid, EncoderConfig, LocalWindows, attention, windowed_attention
+from omnigraph.pipelines.laya.graph import (
+    CheckpointInvalid,
+    DecisionGraphConfig,
+    EncoderConfig,
+    LocalWindows,
+    attention,
+    build_decision_graph,
+    load_checkpoint_weights,
+    windowed_attention,
+)
+from omnigraph.pipelines.laya.ort_encoder import EncoderSubstitutionError, substitute_encoder
 
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -274,3 +284,66 @@ def test_windowed_attention_is_dense_attention_under_the_window_mask(length):
     assert actual.shape == expected.shape
     real = key_visible[:, None, :, None].expand_as(expected)               # padding rows are never read
     torch.testing.assert_close(actual[real], expected[real], rtol=0, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny_traced(laya_tiny_checkpoint, tmp_path_factory):
+    """(torch module, its traced export without the encoder substitution) for the tiny checkpoint."""
+    module = build_decision_graph(DecisionGraphConfig.from_checkpoint(laya_tiny_checkpoint))
+    load_checkpoint_weights(module, laya_tiny_checkpoint / "model.safetensors")
+    with np.load(build_bundle(laya_tiny_checkpoint, tmp_path_factory.mktemp("b") / "b").example_inputs_path) as stored:
+        inputs = {name: stored[name] for name in INPUTS}
+    path = tmp_path_factory.mktemp("traced") / "graph.onnx"
+    export.export_onnx(module, inputs, path, "fp32")
+    return module, onnx.load(str(path))
+
+
+def test_the_plain_bundle_runs_its_encoder_on_onnx_runtime_fused_operators(laya_tiny_bundle, laya_tiny_checkpoint):
+    model = onnx.load(str(laya_tiny_bundle.graph_path), load_external_data=False)
+    config = EncoderConfig.from_dict(json.loads((laya_tiny_checkpoint / "encoder" / "config.json").read_text()))
+    fused = [n.op_type for n in model.graph.node if n.domain == "com.microsoft"]
+    assert fused.count("MultiHeadAttention") == config.num_layers
+    assert fused.count("RotaryEmbedding") == 2 * config.num_layers          # queries and keys
+    assert fused.count("Gelu") == config.num_layers
+    traced_encoder = ("/encoder/layers.", "/encoder/embeddings/", "/encoder/final_norm/")
+    assert not any(n.name.startswith(traced_encoder) for n in model.graph.node)
+    assert {o.domain for o in model.opset_import} >= {"", "com.microsoft"}
+    assert laya_tiny_bundle.manifest.metadata.exporter["version"] == export.EXPORTER_VERSION
+
+
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 23, 24, 25, 40, 64])
+def test_fused_encoder_matches_the_traced_export_at_every_window_shape(tiny_traced, length):
+    """One block, windows covering every key (L <= 3 half-widths), and several shifted windows,
+    with a padded second row: the substituted graph gives the traced graph's outputs."""
+    module, traced = tiny_traced
+    assert module.encoder.config.sliding_window == 8
+    rng = np.random.default_rng(length)
+    batch = {
+        "input_ids": rng.integers(5, module.encoder.config.vocab_size, size=(2, length)),
+        "attention_mask": np.ones((2, length), dtype=np.int64),
+        "marker_pos": np.array([[0, length - 1], [0, 0]], dtype=np.int64),
+        "marker_mask": np.array([[True, length > 1], [True, False]]),
+        "qtype": np.array([0, 2], dtype=np.int64),
+    }
+    batch["attention_mask"][1, max(1, 2 * length // 3):] = 0
+    fused = substitute_encoder(traced, module, max_len=64)
+
+    def run(model):
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(["logits", "act_logits"], batch)
+
+    for actual, expected in zip(run(fused), run(traced)):
+        np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
+
+
+def test_encoder_substitution_refuses_what_it_cannot_rewrite(tiny_traced):
+    module, traced = tiny_traced
+    with pytest.raises(ValueError, match="max_len must be at least 1, got 0"):
+        substitute_encoder(traced, module, max_len=0)
+    headless = onnx.ModelProto()
+    headless.CopyFrom(traced)
+    kept = [n for n in headless.graph.node if not n.name.startswith("/encoder/final_norm/")]
+    del headless.graph.node[:]
+    headless.graph.node.extend(kept)
+    with pytest.raises(EncoderSubstitutionError, match="expected one encoder output from nodes under '/encoder/final_norm/'"):
+        substitute_encoder(headless, module, max_len=64)
