@@ -6,6 +6,8 @@ and bad requests are 422 naming the field and leave the server answering as befo
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import socket
@@ -108,3 +110,28 @@ def test_bad_requests_are_422_and_change_nothing(server, body, field):
     assert response.status_code == 422 and response.json()["field"] == field
     after = _post(server, REQUEST).json()
     assert after["answers"] == before["answers"] and after["usage"] == before["usage"]
+
+
+def test_openai_client_gets_a_choice_from_an_enum_schema(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    assert [model.id for model in client.models.list()] == ["cua_s1"]
+    schema = {"type": "json_schema", "json_schema": {"name": "step", "strict": True, "schema": {
+        "type": "object", "additionalProperties": False, "required": ["action"],
+        "properties": {"action": {"type": "string", "enum": ["fill", "tick", "submit"],
+                                  "description": "Which action comes next?"}}}}}
+    completion = client.chat.completions.create(
+        model="cua_s1", messages=[{"role": "user", "content": REQUEST["state"]}], response_format=schema,
+        logprobs=True, top_logprobs=3)
+    answer = json.loads(completion.choices[0].message.content)
+    assert answer["action"] in ("fill", "tick", "submit") and completion.usage.prompt_tokens > 0
+    (action,) = completion.choices[0].logprobs.content
+    assert sum(math.exp(t.logprob) for t in action.top_logprobs) == pytest.approx(1.0, abs=2e-3)
+    # A boolean property is a noul question, which Cua-S1 does not answer: refused as OpenAI
+    # refuses a bad parameter (400), naming the property.
+    refused = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": "cua_s1", "messages": [{"role": "user", "content": "x"}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "yes", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}}})
+    assert refused.status_code == 400 and "choice questions only" in refused.json()["error"]["message"]
+    assert refused.json()["error"]["param"].endswith("properties.ok")
