@@ -38,10 +38,14 @@ if TYPE_CHECKING:
 
 STOP = object()  # queued once per serving replica at shutdown
 
-# Why 500: measured with benchmarks/throughput.py on the `small` checkpoint, 2-core CPU
-# (see `DEFAULT_BATCH_WAIT_US` in the report of issue 9 and README): closed-loop clients resubmit
-# within a few hundred microseconds of their answers, so a free replica that waits this long
-# gathers them into one call; longer waits add latency at low concurrency without larger batches.
+# Why 500: closed-loop clients resubmit within a few hundred microseconds of their answers (the
+# answer's hand-off, prepare, admission), so a free replica that waits this long gathers most of them
+# into its call; waiting longer barely grows the calls while every lone request pays the full wait.
+# Measured 2026-11-29 on the 2-core CPU development machine (shared, loaded), tiny checkpoint, one
+# 1-row noul request per client, 16 closed-loop AsyncOmni clients, max_batch_rows 32, 3 s per point,
+# two interleaved rounds: requests per call 7.8 at 0 us, 9.3 at 250, 11.6 at 500, 12.1 at 1000,
+# 12.5 at 2000 (decisions/s too noisy on that machine to rank the waits). Command: the sweep in the
+# batching report of issue 9 (benchmarks/throughput.py --batch-wait-us W gives the same load).
 DEFAULT_BATCH_WAIT_US = 500
 
 

@@ -214,12 +214,18 @@ class GraphStageClient:
         timeout = None if None in remaining else max(remaining)  # type: ignore[type-var]
         first = items[0]
         call_id = first.request_id if len(items) == 1 else f"{first.request_id}+{len(items) - 1}"
+        try:
+            inputs = adapter.pack(tensors)
+        except Exception as exc:  # the items do not fit their adapter: they fail, the worker never saw them
+            for item in items:
+                item.fail(exc)
+            return True
         self.stage.batch_stats.record_call(adapter.padded(combined(entries)), len({item.request_id for item in items}))
         with self._lock:
             self._current = items
         started = time.perf_counter()
         try:
-            outputs = self.client.run(adapter.pack(tensors), request_id=call_id[:256], stage_id=self.stage.stage_id,
+            outputs = self.client.run(inputs, request_id=call_id[:256], stage_id=self.stage.stage_id,
                                       epoch=first.epoch, timeout=timeout)
         except BaseException as exc:  # every failure is routed: to the requests, and maybe retirement
             interrupted = self._end_call()
@@ -259,7 +265,7 @@ class GraphStageClient:
         """One call per entry; if the replica retires meanwhile, the entries not yet run go back
         to the stage's queue (their requests did nothing wrong) or, with no live replica, fail."""
         for index, entry in enumerate(entries):
-            if not self._call([entry]):
+            if entry.item.is_live() and not self._call([entry]):
                 for rest in entries[index + 1:]:
                     try:
                         self.stage.submit(rest.item)
