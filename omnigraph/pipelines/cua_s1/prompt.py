@@ -27,7 +27,8 @@ The chat template is rendered the way ``transformers`` renders it (``render_jinj
 sandboxed Jinja environment with ``trim_blocks`` / ``lstrip_blocks``, ``raise_exception``, a
 ``tojson`` that does not HTML-escape, and the tokenizer's special tokens as template variables. So
 the ids equal ``AutoTokenizer.apply_chat_template(..., add_generation_prompt=True)``'s without
-importing transformers in the serving path.
+importing transformers in the serving path. As there, request text that spells a special token
+(``<|im_end|>``) is tokenized as that token: upstream passes such text through unchanged too.
 """
 
 from __future__ import annotations
