@@ -135,6 +135,7 @@ class Run:
             "device": args.device,
             "cpu": harness._device_name("cpu"),
             "cores": os.cpu_count(),
+            "load_average_1m": os.getloadavg()[0],  # other work on the machine when the run began
             "checkpoint": str(args.checkpoint) if args.checkpoint else f"synthetic {args.size} seed {args.seed}",
             "versions": harness._versions(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
