@@ -4,9 +4,15 @@ Both answer the same batch-1 requests on the same synthetic checkpoint (default 
 question whose state is repeated until the row holds about 48 and 512 tokens (the actual counts are
 reported). omnigraph runs `Omni(model="laya", bundle=...)` on its fp32 bundle (validation,
 tokenization, admission, the graph worker, decoding); laya runs `agent.system_one(state, questions)`
-(torch eager fp32). The two take turns in blocks of calls, so load from other processes on the
-machine falls on both alike; rows give the median and p99 of each and the ratio of the medians, and the
-answers of the two are compared after rounding.
+(torch eager fp32). A third case runs the bundle's graph alone in an ONNX Runtime session of this
+process (default options, as the worker's) on tensors of the request's shape, so the pipeline's
+own cost is the difference. The three take turns in blocks of calls, so load from other processes
+on the machine falls on all alike; rows give the median and p99 of each and the ratio of the
+medians, and the answers of laya and omnigraph are compared after rounding.
+
+The roofline rows say how far the graph can go: the multiply-accumulates it does at each length
+(counted from the checkpoint's shapes) and ONNX Runtime's float32 MatMul rate on this machine
+(a projection-shaped MatMul, same threads), whose ratio is the graph's floor.
 
     python benchmarks/laya_cpu.py --json benchmarks/results/laya-cpu.json
 """
@@ -17,6 +23,7 @@ import argparse
 import datetime
 import importlib.util
 import json
+import math
 import os
 import platform
 import sys
@@ -30,6 +37,54 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     del sys.path[0]
 
 TARGET_SPEEDUP = 2.0
+# The MatMul timed for the machine's float32 rate: an encoder projection's shape at 512 tokens.
+PEAK_MATMUL_SHAPE = (512, 384, 1536)
+
+
+def graph_macs(config: Any, length: int, markers: int) -> int:
+    """Multiply-accumulates of the decision graph (graph.DecisionGraph as exported) for one row of
+    `length` tokens and `markers` option slots: projections, attention scores and context (local
+    layers block-banded), the two head layers (the last for CLS and the markers only), the heads."""
+    encoder = config.encoder
+    d, width = encoder.hidden_size, encoder.intermediate_size
+    half = encoder.sliding_window
+    macs = 0
+    for layer_type in encoder.layer_types:
+        keys = length if layer_type == "full_attention" else min(length, 3 * half)
+        rows = length if layer_type == "full_attention" else -(-length // half) * half
+        macs += length * d * (3 * d + d + 2 * width) + length * width * d + 2 * rows * keys * d
+    rows = 1 + markers
+    full_layer = length * d * 3 * d + 2 * length * length * d + length * d * d + 2 * length * d * 4 * d
+    last_layer = length * d * 2 * d + rows * d * d + 2 * rows * length * d + rows * d * d + 2 * rows * d * 4 * d
+    heads = markers * (d * d + d) + (d + 4) * 256 + 256 * config.n_act
+    return macs + (config.head_layers - 1) * full_layer + last_layer + heads
+
+
+def matmul_rate(threads: int | None = None, repeats: int = 30) -> float:
+    """ONNX Runtime's float32 MatMul rate (multiply-accumulates per second, the best of `repeats`)
+    on PEAK_MATMUL_SHAPE, a constant right-hand side as the graph's weights are."""
+    import numpy as np
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    m, k, n = PEAK_MATMUL_SHAPE
+    rng = np.random.default_rng(0)
+    weight = numpy_helper.from_array(rng.standard_normal((k, n), dtype=np.float32), "w")
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "matmul",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])], [weight])
+    options = ort.SessionOptions()
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((m, k), dtype=np.float32)
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        session.run(None, {"x": x})
+        best = min(best, time.perf_counter() - started)
+    return m * k * n / best
 
 
 def _harness() -> Any:
@@ -74,8 +129,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import laya
 
+    import numpy as np
+    import onnxruntime as ort
+
     from omnigraph import Omni
+    from omnigraph.bundles import verify_bundle
     from omnigraph.pipelines.laya.export import cached_bundle
+    from omnigraph.pipelines.laya.graph import DecisionGraphConfig
+    from omnigraph.pipelines.laya.sequence import BatchLayout
     from omnigraph.pipelines.laya.synth import cached_checkpoint
 
     harness = _harness()
@@ -83,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     bundle = cached_bundle(checkpoint)
     lengths = harness.build_requests(checkpoint, tuple(args.lengths))
     agent = laya.load(str(checkpoint), device="cpu")
+    config = DecisionGraphConfig.from_checkpoint(checkpoint)
+    verified = verify_bundle(bundle)
+    layout = verified.manifest.metadata.layout
+    buckets = BatchLayout(max_len=layout["max_len"], length_multiple=layout["length_multiple"],
+                          length_multiple_above_256=layout["length_multiple_above_256"])
+    session = ort.InferenceSession(str(verified.graph_path), providers=["CPUExecutionProvider"])
     identity = {
         "cpu": harness._device_name("cpu"), "cores": os.cpu_count(), "checkpoint": f"synthetic {args.size} seed {args.seed}",
         "versions": harness._versions(), "load_average": os.getloadavg()[0],
@@ -91,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(),
     }
     rows: list[dict[str, Any]] = []
+    rate = matmul_rate()
+    rows.append({"case": "onnxruntime MatMul", "metric": "float32_gmac_per_s", "value": round(rate / 1e9, 2),
+                 "unit": "GMAC/s", "shape": list(PEAK_MATMUL_SHAPE), "tokens": PEAK_MATMUL_SHAPE[0], **identity})
     with Omni(model="laya", bundle=bundle) as omni:
         for requests in lengths:
             state, questions = requests.timed["state"], requests.timed["questions"]
@@ -102,8 +172,21 @@ def main(argv: list[str] | None = None) -> int:
                     raise RuntimeError(output.error)
                 return output.custom_output
 
+            # The graph's own inputs for this request's shape: one row in its length bucket, the
+            # noul question's 2 markers in their bucket.
+            length, slots = buckets.length_bucket(requests.tokens), buckets.markers_bucket(2)
+            tensors = {"input_ids": np.full((1, length), layout["pad_id"], dtype=np.int64),
+                       "attention_mask": np.zeros((1, length), dtype=np.int64),
+                       "marker_pos": np.arange(1, slots + 1, dtype=np.int64)[None, :],
+                       "marker_mask": np.arange(slots)[None, :] < 2,
+                       "qtype": np.array([layout["qtypes"].index("noul")], dtype=np.int64)}
+            tensors["input_ids"][0, :requests.tokens] = layout["sep_id"]
+            tensors["attention_mask"][0, :requests.tokens] = 1
+
             samples = time_in_blocks({"laya": lambda: agent.system_one(state, questions),
-                                      "omnigraph": omnigraph_call}, args.requests, args.warmup)
+                                      "omnigraph": omnigraph_call,
+                                      "omnigraph graph": lambda: session.run(None, tensors)},
+                                     args.requests, args.warmup)
             reference, ours = agent.system_one(state, questions), omnigraph_call()
             same = reference["answers"] == ours["answers"]
             medians = {}
@@ -113,14 +196,20 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"case": engine, "metric": metric, "value": round(value, 3), "unit": "ms",
                                  "length": requests.length, "tokens": requests.tokens,
                                  "requests": len(values), **identity})
+            macs = graph_macs(config, length, markers=2)
+            rows.append({"case": "omnigraph graph", "metric": "graph_gmac", "value": round(macs / 1e9, 3),
+                         "unit": "GMAC", "length": requests.length, "tokens": requests.tokens, **identity})
+            rows.append({"case": "omnigraph graph", "metric": "floor_ms", "value": round(macs / rate * 1000, 3),
+                         "unit": "ms", "length": requests.length, "tokens": requests.tokens,
+                         "detail": "graph_gmac at the MatMul rate", **identity})
             rows.append({"case": "omnigraph vs laya", "metric": "speedup_p50", "unit": "x",
                          "value": round(medians["laya"] / medians["omnigraph"], 3), "goal": TARGET_SPEEDUP,
                          "status": "met" if medians["laya"] / medians["omnigraph"] >= TARGET_SPEEDUP else "missed",
                          "answers_equal": same, "length": requests.length, "tokens": requests.tokens, **identity})
 
-    print(f"{'case':<20} {'metric':<12} {'tokens':>6} {'value':>10}  unit  status")
+    print(f"{'case':<20} {'metric':<18} {'tokens':>6} {'value':>10}  unit    status")
     for row in rows:
-        print(f"{row['case']:<20} {row['metric']:<12} {row['tokens']:>6} {row['value']:>10}  {row['unit']:<4}  "
+        print(f"{row['case']:<20} {row['metric']:<18} {row['tokens']:>6} {row['value']:>10}  {row['unit']:<6}  "
               f"{row.get('status', '')}{'' if row.get('answers_equal', True) else '  ANSWERS DIFFER'}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
