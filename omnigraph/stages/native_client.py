@@ -118,8 +118,7 @@ class PoolingEngine:
         try:
             client = future.result(timeout)
         except BaseException as exc:
-            future.add_done_callback(_shutdown_built_engine)  # a start still running is stopped once built
-            loop.call_soon_threadsafe(loop.stop)
+            future.add_done_callback(lambda done: _abandon(done, loop))  # a start still running ends first
             if isinstance(exc, TimeoutError):
                 raise NativeStageError(stage_id, 0, f"vLLM {vllm.__version__} did not start {backend.model} "
                                        f"within {timeout:g} s") from None
@@ -149,6 +148,8 @@ class PoolingEngine:
         self.loop.call_soon_threadsafe(self.loop.stop)
         if self._thread is not None:
             self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self.loop.close()
 
 
 async def _cancel_other_tasks() -> None:
@@ -159,9 +160,13 @@ async def _cancel_other_tasks() -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _shutdown_built_engine(future: Future) -> None:
-    if not future.cancelled() and future.exception() is None:
-        future.result().shutdown()
+def _abandon(build: Future, loop: asyncio.AbstractEventLoop) -> None:
+    """Once a refused engine start has ended: shut the engine down if it was built, stop its loop."""
+    try:
+        if not build.cancelled() and build.exception() is None:
+            build.result().shutdown()
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
 
 
 def check_engine_fits(engine: Any, backend: NativeBackendConfig, *, stage_id: int) -> None:
@@ -216,8 +221,8 @@ class NativeStageClient:
         self.max_model_len: int = engine.client.model_config.max_model_len
         self.hidden_size: int = engine.client.model_config.get_hidden_size()
         self.retired_reason: str | None = None
-        self.calls = 0
         self.items = 0
+        self.prompts = 0
 
     @property
     def serving(self) -> bool:
@@ -249,7 +254,7 @@ class NativeStageClient:
             return
         remaining = item.remaining()
         if remaining is not None and remaining <= 0:
-            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage {self.stage.stage_id}"))
+            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed before stage {self.stage.stage_id} started it"))
             return
         try:
             prompts = split_prompts(item.tensors, self.max_model_len)
@@ -278,8 +283,8 @@ class NativeStageClient:
             if not finished:  # cancelled, late or failed: free the engine's slots for these prompts now
                 await self.engine.client.abort(request_ids)
         seconds = time.perf_counter() - started
-        self.calls += 1
         self.items += 1
+        self.prompts += len(prompts)
         if item.is_live():
             item.complete({HIDDEN_STATES: np.stack(states)}, seconds)
 
@@ -321,8 +326,8 @@ class NativeStageClient:
             "max_model_len": self.max_model_len,
             "hidden_size": self.hidden_size,
             "in_flight": in_flight,
-            "calls": self.calls,
             "items": self.items,
+            "prompts": self.prompts,
             "reservation": dict(self.reservation.demands),
         }
 

@@ -96,6 +96,9 @@ def test_vllm_pooling_matches_transformers_final_norm_last_hidden_state(backbone
     llm = LLM(model=str(backbone), runner="pooling", convert="embed", dtype="float32", max_model_len=256,
               enforce_eager=True, kv_cache_memory_bytes=64 << 20,
               pooler_config=PoolerConfig(pooling_type="LAST", use_activation=False))
-    pooled = llm.encode([{"prompt_token_ids": ids} for ids in prompts], pooling_task="embed", use_tqdm=False)
+    try:
+        pooled = llm.encode([{"prompt_token_ids": ids} for ids in prompts], pooling_task="embed", use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
     vllm_states = np.stack([np.asarray(output.outputs.data, dtype=np.float32) for output in pooled])
     np.testing.assert_allclose(vllm_states, _last_hidden_states(backbone, prompts), atol=1e-3, rtol=0)
