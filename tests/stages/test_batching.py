@@ -13,14 +13,15 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from omnigraph import AsyncOmni, Omni
-from omnigraph.bundles import pack_bundle
-from omnigraph.pipelines.config import StagePipelineConfig
+from omnigraph.bundles import pack_bundle, verify_bundle
+from omnigraph.pipelines.config import PipelineConfigError, StagePipelineConfig
 from omnigraph.pipelines.deploy import GRAPH_BACKEND, BatchingConfig, validate_deploy_config
 from omnigraph.plugin.api.metrics import ServerMetrics
 from omnigraph.stages.batching import (
     DEFAULT_BATCH_WAIT_US, STOP, AxisZeroAdapter, BatchLimits, BatchShape, BatchStats, Footprint, StageQueue, split_rows,
 )
 from omnigraph.stages.errors import RequestCancelled, StageStartupError, StageUnavailable
+from omnigraph.stages.runtime import GraphStage, worker_route
 
 BLOCKER = {"tensors": {"x": np.ones((32768, 32), np.float32)}}  # keeps the one replica busy meanwhile
 BATCHING = {"max_batch_rows": 8}
@@ -277,3 +278,19 @@ def test_batching_statistics_are_exported_as_prometheus_histograms_and_gauges():
                  'omnigraph_batch_tokens_total{kind="padded",stage="0"} 64.0'):
         assert line in text
     assert "omnigraph_batch_rows_bucket" not in ServerMetrics(lambda: 0, lambda: None).render().decode()
+
+
+def test_declared_batching_values_are_checked_once_and_a_refusing_adapter_stops_the_start(bundles):
+    with pytest.raises(PipelineConfigError, match="stage 0: batch_wait_us must be <= 100000, got 200000"):
+        StagePipelineConfig(stage_id=0, model_stage="x", batch_wait_us=200_000)
+    with pytest.raises(PipelineConfigError, match="stage 0: max_batch_tokens must be an int >= 1 or None, got 0"):
+        StagePipelineConfig(stage_id=0, model_stage="x", max_batch_tokens=0)
+    with pytest.raises(PipelineConfigError, match="stage 0: batch_adapter must be a dotted reference"):
+        StagePipelineConfig(stage_id=0, model_stage="x", batch_adapter="LayaBatchAdapter")
+    laya = StagePipelineConfig(stage_id=0, model_stage="x", batch_adapter="omnigraph.pipelines.laya.batching:LayaBatchAdapter")
+    plan = validate_deploy_config({"pipeline": "test-batching-adapter", "stages": [{
+        "stage_id": 0, "model_stage": "x", "final_output": True, "final_output_type": "tensors",
+        "backend": {"name": GRAPH_BACKEND, "manifest": str(bundles["affine"]), "route": {"name": "cpu"}}}]})
+    with pytest.raises(StageStartupError, match="batch adapter omnigraph.pipelines.laya.batching:LayaBatchAdapter "
+                                                "refused .*affine/manifest.json: .*metadata.layout has no pad_id"):
+        GraphStage(laya, plan.stages[0], verify_bundle(bundles["affine"]), worker_route(plan.stages[0]), None)
