@@ -14,7 +14,7 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
 from omnigraph.bundles import BundleHashMismatch, verify_bundle
-from omnigraph.pipelines.open_jev.export import CheckpointInvalid, build_bundle, reference_scores
+from omnigraph.pipelines.open_jev.export import CheckpointInvalid, build_bundle, default_bundle, reference_scores
 from omnigraph.pipelines.open_jev.processor import OpenJevProcessor
 from omnigraph.pipelines.processor import RequestTooLarge
 from omnigraph.pipelines.open_jev.prompt import DEFAULT_PROMPT_TEMPLATE, PromptTemplate, PromptTemplateInvalid
@@ -126,3 +126,13 @@ def test_max_model_len_is_the_backbones_when_smaller(jev_checkpoint, tmp_path):
     processor = OpenJevProcessor({1: bundle})
     with pytest.raises(RequestTooLarge, match="max_model_len=64"):
         processor.prepare({"state": "word " * 64, "questions": {"q": {"type": "noul", "instructions": "?"}}})
+
+
+def test_default_bundle_is_built_once_into_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setenv("OMNIGRAPH_CACHE", str(tmp_path))
+    first = default_bundle()
+    assert first.is_relative_to(tmp_path / "bundles")
+    manifest = verify_bundle(first).manifest
+    assert manifest.component == "open_jev.head" and manifest.metadata.calibration["temperature"] == 1.5
+    mtime = (first / "manifest.json").stat().st_mtime_ns
+    assert default_bundle() == first and (first / "manifest.json").stat().st_mtime_ns == mtime
