@@ -152,8 +152,9 @@ class OpenJevProcessor:
                                  "cannot be relabelled; word the criteria instead")
         if not raw.get("criteria"):
             return None
-        return tuple(option.removeprefix(f"{label}: ")  # type: ignore[return-value]
-                     for option, label in zip(question.options, _NOUL_LABELS))
+        false_text, true_text = (option.removeprefix(f"{label}: ")
+                                 for option, label in zip(question.options, _NOUL_LABELS))
+        return false_text, true_text
 
     def _check_budget(self, question: Question, ids: Sequence[Sequence[int]]) -> None:
         """Refuse a question whose longest prompt exceeds ``max_model_len`` (never truncated)."""
