@@ -207,7 +207,6 @@ class NativeStageClient:
     """The native stage's one replica: submits work items to the engine, tracks them for abort."""
 
     replica = 0
-    restarts = 0
 
     def __init__(self, stage: NativeStage, engine: PoolingEngine, reservation: Reservation,
                  ledger: ResourceLedger) -> None:
@@ -280,7 +279,7 @@ class NativeStageClient:
                 item.fail(exc)
             return
         finally:
-            if not finished:  # cancelled, late or failed: free the engine's slots for these prompts now
+            if not finished and not self.engine.dead:  # cancelled, late or failed: free the engine's slots now
                 await self.engine.client.abort(request_ids)
         seconds = time.perf_counter() - started
         self.items += 1
