@@ -14,7 +14,10 @@ markers -> action head on CLS), but is shaped for an inference graph rather than
   sequences the window covers every key and this is dense attention again;
 - attention is plain MatMul / Softmax (no fused kernel), which every execution provider runs;
 - parameters keep the checkpoint's names and every module's nodes its scope (`/encoder/layers.3/...`)
-  in the exported graph, which is what `fast_graph.substitute_encoder` rewrites.
+  in the exported graph, by which the encoder substitutions find what they replace
+  (`ort_encoder.substitute_encoder` for the plain bundles, `fast_graph.substitute_encoder`).
+
+The module is also the reference every exported graph is validated against (`export.validate_export`).
 
 Only the exporter imports this module (it needs torch). Weights come from the checkpoint's
 `model.safetensors` by their reference names, strictly: `load_checkpoint_weights`.

@@ -6,17 +6,20 @@ compute. `substitute_encoder` replaces them by a chain built here from the same 
 
     MatMul(Wq), MatMul(Wk) -> RotaryEmbedding ; MatMul(Wv)
     -> MultiHeadAttention (global layers: every key; local layers: block-banded, see below)
-    -> MatMul(Wo) -> SkipLayerNormalization(mlp_norm)
+    -> MatMul(Wo) -> Add (residual) -> LayerNormalization(mlp_norm)
     -> MatMul(Wi input half), MatMul(Wi gate half) -> Gelu * gate -> MatMul(Wo)
-    -> SkipLayerNormalization(the next layer's attn_norm, or final_norm)
+    -> Add (residual) -> LayerNormalization(the next layer's attn_norm, or final_norm)
 
-so the residual add, the norm, the rotation, the attention's scale, mask, softmax and head
-transposes each run as one fused kernel (ONNX Runtime's `com.microsoft` operators, implemented on
-its CPU and CUDA execution providers). A local layer attends block by block as
-`graph.LocalWindows` describes: the queries in blocks of half-width rows, each block with the
-`width` keys its windows reach, one MultiHeadAttention over B * blocks sequences whose
-attention bias holds both the window and the key padding. The window tables are computed once
-per call from the input's length, as graph.py does.
+so the rotation and the attention's scale, mask, softmax and head transposes each run as one
+fused kernel (ONNX Runtime's `com.microsoft` operators, implemented on its CPU and CUDA execution
+providers), and nothing is left to compute shapes but the local windows' tables. (ONNX Runtime's
+SkipLayerNormalization would fuse the residual add too, but its CPU kernel is several times
+slower than Add + LayerNormalization.)
+
+A local layer attends block by block as `graph.LocalWindows` describes: the queries in blocks of
+half-width rows, each block with the `width` keys its windows reach, one MultiHeadAttention over
+B * blocks short sequences whose attention bias holds both the window and the key padding. The
+window tables are computed once per call from the input's length, as graph.py does.
 
 Everything stays float32; the decision head after the encoder is the traced export's own nodes.
 The export validates the result against the torch module (`export.validate_export`), which stays
@@ -26,6 +29,7 @@ the reference for every bundle.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -112,6 +116,19 @@ def _rope_tables(inv_freq: torch.Tensor, max_len: int) -> tuple[np.ndarray, np.n
     return freqs.cos().numpy(), freqs.sin().numpy()
 
 
+@dataclass(frozen=True)
+class _Windows:
+    """Names of the local layers' window tensors (`graph.LocalWindows` in ONNX), built once per call."""
+
+    key_index: str    # (N, width) int64: the keys each block of queries scores
+    bias: str         # (B * N, 1, block, width) float32: 0 where visible, the most negative float elsewhere
+    query_pads: str   # Pad's pads that take (B, L, D) queries to whole blocks
+    query_shape: str  # (B * N, block, D)
+    key_shape: str    # (B * N, width, D)
+    row_shape: str    # (B, N * block, D)
+    length: str       # (1,) int64: L, where the context is cut back
+
+
 class _EncoderBuilder:
     """Accumulates the nodes and initializers of one substituted encoder."""
 
@@ -123,35 +140,48 @@ class _EncoderBuilder:
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
 
-    def node(self, op: str, inputs: list[str], name: str, *, outputs: int | list[str] = 1,
+    def node(self, op: str, inputs: list[str], name: str, *, outputs: list[str] | None = None,
              domain: str = "", **attributes: Any) -> str:
         """Add a node named `/ort_encoder/<name>`; returns its (first) output's name."""
-        names = outputs if isinstance(outputs, list) else [f"{name}_out{i or ''}" for i in range(outputs)]
-        self.nodes.append(helper.make_node(op, inputs, names, name=f"/ort_encoder/{name}", domain=domain,
+        outputs = outputs or [f"{name}_out"]
+        self.nodes.append(helper.make_node(op, inputs, outputs, name=f"/ort_encoder/{name}", domain=domain,
                                            **attributes))
-        return names[0]
+        return outputs[0]
 
-    def constant(self, name: str, value: np.ndarray) -> str:
-        """A weight-sized constant: an initializer (stored in weights.bin with the others)."""
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), f"ort_encoder.{name}"))
-        return f"ort_encoder.{name}"
+    def fused(self, op: str, inputs: list[str], name: str, **attributes: Any) -> str:
+        """A node of ONNX Runtime's contrib domain."""
+        return self.node(op, inputs, name, domain=CONTRIB_DOMAIN, **attributes)
 
-    def literal(self, name: str, value: np.ndarray) -> str:
+    def literal(self, name: str, value: Any, dtype: type = np.int64) -> str:
         """A small constant as a Constant node: kept in graph.onnx, where shape inference reads it."""
-        return self.node("Constant", [], f"constant/{name}", value=numpy_helper.from_array(np.asarray(value), name))
+        return self.node("Constant", [], f"constant/{name}",
+                         value=numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+
+    def initializer(self, name: str, value: np.ndarray) -> str:
+        """A weight-sized constant, stored in weights.bin with the others."""
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        return name
 
     def projection(self, x: str, weight: np.ndarray, name: str) -> str:
-        """x @ weight.T; the transposed weight is the initializer `name` + ".t" (named under the
-        checkpoint's `encoder.` prefix, so reduced-precision bundles store it reduced)."""
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(weight.T), f"{name}.t"))
-        return self.node("MatMul", [x, f"{name}.t"], name)
+        """x @ weight.T; the transposed weight is the initializer `name.t`, named under the
+        checkpoint's `encoder.` prefix, so reduced-precision bundles store it reduced."""
+        return self.node("MatMul", [x, self.initializer(f"{name}.t", weight.T)], name)
+
+    def add_norm(self, residual: str, x: str, weight: str, name: str, *, normed: str | None = None) -> tuple[str, str]:
+        """(LayerNorm(residual + x), residual + x)."""
+        total = self.node("Add", [residual, x], f"{name}/residual")
+        out = self.node("LayerNormalization", [total, weight], name, outputs=[normed] if normed else None,
+                        axis=-1, epsilon=self.config.norm_eps)
+        return out, total
 
     def build(self, hidden: str) -> tuple[list[onnx.NodeProto], list[onnx.TensorProto]]:
         config = self.config
         d, width = config.hidden_size, config.intermediate_size
-        cos_sin = {layer_type: (self.constant(f"rope.{layer_type}.cos", cos), self.constant(f"rope.{layer_type}.sin", sin))
-                   for layer_type, (cos, sin) in self.rope.items()}
-        first_position = self.literal("first_position", np.zeros(1, dtype=np.int64))
+        attention = {"num_heads": config.num_heads, "scale": config.head_dim ** -0.5, "mask_filter_value": _NEG}
+        rope = {layer_type: [self.initializer(f"ort_encoder.rope.{layer_type}.{part}", table)
+                             for part, table in zip(("cos", "sin"), tables)]
+                for layer_type, tables in self.rope.items()}
+        first_position = self.literal("first_position", [0])
         embedded = self.node("Gather", ["encoder.embeddings.tok_embeddings.weight", "input_ids"], "embeddings/gather")
         residual = self.node("LayerNormalization", [embedded, "encoder.embeddings.norm.weight"], "embeddings/norm",
                              axis=-1, epsilon=config.norm_eps)
@@ -161,101 +191,101 @@ class _EncoderBuilder:
         for i, layer_type in enumerate(config.layer_types):
             prefix, scope = f"encoder.layers.{i}.", f"layers.{i}"
             wqkv = self.weights[prefix + "attn.Wqkv.weight"]
-            cos, sin = cos_sin[layer_type]
-            q, k = (self.node("RotaryEmbedding", [self.projection(normed, wqkv[j * d:(j + 1) * d], f"{prefix}attn.W{part}"),
-                                                  first_position, cos, sin],
-                              f"{scope}/rope_{part}", domain=CONTRIB_DOMAIN, num_heads=config.num_heads)
-                    for j, part in enumerate("qk"))
-            v = self.projection(normed, wqkv[2 * d:], f"{prefix}attn.Wv")
+            q = self.projection(normed, wqkv[:d], prefix + "attn.Wq")
+            k = self.projection(normed, wqkv[d:2 * d], prefix + "attn.Wk")
+            v = self.projection(normed, wqkv[2 * d:], prefix + "attn.Wv")
+            q, k = (self.fused("RotaryEmbedding", [x, first_position, *rope[layer_type]], f"{scope}/rope_{part}",
+                               num_heads=config.num_heads) for x, part in ((q, "q"), (k, "k")))
             if layer_type == LOCAL:
-                context = self.windowed_attention(q, k, v, windows, scope)
+                context = self.windowed_attention(q, k, v, windows, scope, attention)
             else:
-                context = self.node("MultiHeadAttention", [q, k, v, "", key_padding], f"{scope}/attention",
-                                    domain=CONTRIB_DOMAIN, num_heads=config.num_heads,
-                                    scale=config.head_dim ** -0.5, mask_filter_value=_NEG)
-            attn_out = self.projection(context, self.weights[prefix + "attn.Wo.weight"], f"{prefix}attn.Wo")
-            mlp_in, residual = self.skip_norm(attn_out, residual, prefix + "mlp_norm.weight", f"{scope}/mlp_norm")
+                context = self.fused("MultiHeadAttention", [q, k, v, "", key_padding], f"{scope}/attention",
+                                     **attention)
+            attn_out = self.projection(context, self.weights[prefix + "attn.Wo.weight"], prefix + "attn.Wo")
+            mlp_in, residual = self.add_norm(residual, attn_out, prefix + "mlp_norm.weight", f"{scope}/mlp_norm")
             wi = self.weights[prefix + "mlp.Wi.weight"]
-            activated = self.node("Gelu", [self.projection(mlp_in, wi[:width], f"{prefix}mlp.Wi_input")],
-                                  f"{scope}/gelu", domain=CONTRIB_DOMAIN)
-            gated = self.node("Mul", [activated, self.projection(mlp_in, wi[width:], f"{prefix}mlp.Wi_gate")], f"{scope}/geglu")
-            mlp_out = self.projection(gated, self.weights[prefix + "mlp.Wo.weight"], f"{prefix}mlp.Wo")
+            activated = self.fused("Gelu", [self.projection(mlp_in, wi[:width], prefix + "mlp.Wi_input")],
+                                   f"{scope}/gelu")
+            gated = self.node("Mul", [activated, self.projection(mlp_in, wi[width:], prefix + "mlp.Wi_gate")],
+                              f"{scope}/geglu")
+            mlp_out = self.projection(gated, self.weights[prefix + "mlp.Wo.weight"], prefix + "mlp.Wo")
             last = i == config.num_layers - 1
             norm_weight = "encoder.final_norm.weight" if last else f"encoder.layers.{i + 1}.attn_norm.weight"
-            normed, residual = self.skip_norm(mlp_out, residual, norm_weight, f"{scope}/next_norm",
-                                                    normed_name=hidden if last else None)
+            normed, residual = self.add_norm(residual, mlp_out, norm_weight, f"{scope}/next_norm",
+                                             normed=hidden if last else None)
         return self.nodes, self.initializers
 
-    def skip_norm(self, x: str, residual: str, weight: str, name: str, *, normed_name: str | None = None) -> tuple[str, str]:
-        """(norm(residual + x), residual + x): Add then LayerNormalization (ONNX Runtime's CPU
-        SkipLayerNormalization is several times slower than the two)."""
-        total = self.node("Add", [residual, x], f"{name}/residual")
-        normed = self.node("LayerNormalization", [total, weight], name, outputs=[normed_name or f"{name}_out"],
-                           axis=-1, epsilon=self.config.norm_eps)
-        return normed, total
-
-    def local_windows(self) -> dict[str, str]:
-        """`graph.LocalWindows` in ONNX, once per call: `key_index` (N, width), the attention bias
-        (B * N, 1, block, width), and the shapes the blocked attention reshapes by."""
+    def local_windows(self) -> _Windows:
+        """`graph.LocalWindows.build` in ONNX: blocks of `block` = half-width queries, each scoring
+        `width` = min(L, 3 * half-width) consecutive keys starting at its first window's start,
+        shifted inwards at the ends."""
         block = half_width = self.config.sliding_window
-        c = lambda name, value: self.literal(f"windows/{name}", np.array(value, dtype=np.int64))  # noqa: E731
-        zero, one, block_c, axis_last = c("zero", 0), c("one", 1), c("block", block), c("axis_last", [-1])
-        node = lambda op, inputs, name, **kw: self.node(op, inputs, f"windows/{name}", **kw)  # noqa: E731
-        shape = node("Shape", ["input_ids"], "shape")
-        batch, length = (node("Gather", [shape, c(f"dim{i}", i)], f"dim{i}", axis=0) for i in (0, 1))
-        blocks = node("Div", [node("Add", [length, c("block_minus_one", block - 1)], "length_up"), block_c], "blocks")
-        width = node("Min", [length, c("width_max", block + 2 * half_width)], "width")
-        first_key = node("Min", [node("Max", [node("Sub", [node("Mul", [node("Range", [zero, blocks, one], "block_index"),
-                                                                          block_c], "block_start"),
-                                                           c("half_width", half_width)], "window_start"), zero], "clamp_low"),
-                                 node("Sub", [length, width], "last_start")], "first_key")
-        key_index = node("Add", [node("Unsqueeze", [first_key, axis_last], "first_key_column"),
-                                 node("Range", [zero, width, one], "key_offset")], "key_index")   # (N, width)
-        padded = node("Mul", [blocks, block_c], "padded_length")
-        blocks_1d = node("Unsqueeze", [blocks, c("axis0", [0])], "blocks_1d")
-        query_pos = node("Reshape", [node("Range", [zero, padded, one], "query_positions"),
-                                     node("Concat", [blocks_1d, c("block_1d", [block])], "block_shape", axis=0)],
-                         "query_pos")                                                            # (N, block)
-        distance = node("Abs", [node("Sub", [node("Unsqueeze", [key_index, c("axis1", [1])], "key_index_rows"),
-                                             node("Unsqueeze", [query_pos, axis_last], "query_pos_column")],
-                                     "signed_distance")], "distance")                            # (N, block, width)
-        near = node("LessOrEqual", [distance, c("half_width_bound", half_width)], "near")
-        key_visible = node("Gather", [node("Cast", ["attention_mask"], "key_visible", to=TensorProto.BOOL), key_index],
-                           "window_keys_visible", axis=1)                                       # (B, N, width)
-        visible = node("And", [near, node("Unsqueeze", [key_visible, c("axis2", [2])], "keys_visible_rows")], "visible")
-        bias = node("Where", [visible, self.literal("windows/visible_bias", np.array(0.0, dtype=np.float32)),
-                              self.literal("windows/hidden_bias", np.array(_NEG, dtype=np.float32))], "bias")
-        sequences = node("Unsqueeze", [node("Mul", [batch, blocks], "sequences"), c("axis0b", [0])], "sequences_1d")
-        block_bias = node("Reshape", [bias, node("Concat", [sequences, c("bias_tail", [1, block]),
-                                                            node("Unsqueeze", [width, c("axis0c", [0])], "width_1d")],
-                                                 "bias_shape", axis=0)], "block_bias")          # (B*N, 1, block, width)
         d = self.config.hidden_size
-        return {
-            "key_index": key_index,
-            "bias": block_bias,
-            "pad": node("Concat", [c("pad_head", [0, 0, 0, 0]), node("Unsqueeze", [node("Sub", [padded, length],
-                                                                                      "pad_rows"), c("axis0d", [0])],
-                                                                       "pad_rows_1d"), c("pad_tail", [0])],
-                        "pad", axis=0),                                                          # Pad's (B, L, D) pads
-            "query_shape": node("Concat", [sequences, c("block_d", [block, d])], "query_shape", axis=0),
-            "key_shape": node("Concat", [sequences, c("minus_one_d", [-1, d])], "key_shape", axis=0),
-            "out_shape": node("Concat", [node("Unsqueeze", [batch, c("axis0e", [0])], "batch_1d"),
-                                         c("minus_one_d_out", [-1, d])], "out_shape", axis=0),
-            "length": node("Unsqueeze", [length, c("axis0f", [0])], "length_1d"),
-            "zero_1d": c("zero_1d", [0]),
-            "axis1_1d": c("axis1_1d", [1]),
-        }
 
-    def windowed_attention(self, q: str, k: str, v: str, windows: dict[str, str], scope: str) -> str:
+        def node(op: str, inputs: list[str], name: str, **attributes: Any) -> str:
+            return self.node(op, inputs, f"windows/{name}", **attributes)
+
+        def lit(name: str, value: Any) -> str:
+            return self.literal(f"windows/{name}", value)
+
+        def as_1d(scalar: str, name: str) -> str:
+            return node("Unsqueeze", [scalar, lit(f"{name}_axis", [0])], name)
+
+        zero, one, block_size = lit("zero", 0), lit("one", 1), lit("block", block)
+        shape = node("Shape", ["input_ids"], "input_shape")
+        batch = node("Gather", [shape, lit("batch_axis", 0)], "batch", axis=0)
+        length = node("Gather", [shape, lit("length_axis", 1)], "length", axis=0)
+        blocks = node("Div", [node("Add", [length, lit("block_minus_one", block - 1)], "length_rounded_up"),
+                              block_size], "blocks")
+        width = node("Min", [length, lit("width_limit", block + 2 * half_width)], "width")
+        block_start = node("Mul", [node("Range", [zero, blocks, one], "block_index"), block_size], "block_start")
+        window_start = node("Max", [node("Sub", [block_start, lit("half_width", half_width)], "window_start_raw"),
+                                    zero], "window_start")
+        first_key = node("Min", [window_start, node("Sub", [length, width], "last_first_key")], "first_key")
+        key_index = node("Add", [node("Unsqueeze", [first_key, lit("column_axis", [-1])], "first_key_column"),
+                                 node("Range", [zero, width, one], "key_offset")], "key_index")      # (N, width)
+        padded_length = node("Mul", [blocks, block_size], "padded_length")
+        block_shape = node("Concat", [as_1d(blocks, "blocks_1d"), lit("block_1d", [block])], "block_shape", axis=0)
+        query_pos = node("Reshape", [node("Range", [zero, padded_length, one], "query_positions"), block_shape],
+                         "query_pos")                                                                # (N, block)
+        offset = node("Sub", [node("Unsqueeze", [key_index, lit("row_axis", [1])], "key_index_rows"),
+                              node("Unsqueeze", [query_pos, lit("key_axis", [-1])], "query_pos_column")], "offset")
+        near = node("LessOrEqual", [node("Abs", [offset], "distance"), lit("max_distance", half_width)], "near")
+        real_keys = node("Gather", [node("Cast", ["attention_mask"], "real", to=TensorProto.BOOL), key_index],
+                         "real_keys", axis=1)                                                       # (B, N, width)
+        visible = node("And", [near, node("Unsqueeze", [real_keys, lit("query_axis", [2])], "real_keys_rows")],
+                       "visible")                                                                   # (B, N, block, width)
+        bias = node("Where", [visible, self.literal("windows/seen", 0.0, np.float32),
+                              self.literal("windows/unseen", _NEG, np.float32)], "bias")
+        sequences = as_1d(node("Mul", [batch, blocks], "sequences"), "sequences_1d")
+        width_1d = as_1d(width, "width_1d")
+        pad_rows = as_1d(node("Sub", [padded_length, length], "pad_rows"), "pad_rows_1d")
+        return _Windows(
+            key_index=key_index,
+            bias=node("Reshape", [bias, node("Concat", [sequences, lit("bias_middle", [1, block]), width_1d],
+                                             "bias_shape", axis=0)], "block_bias"),
+            query_pads=node("Concat", [lit("pads_before", [0, 0, 0, 0]), pad_rows, lit("pads_after", [0])],
+                            "query_pads", axis=0),
+            query_shape=node("Concat", [sequences, lit("query_tail", [block, d])], "query_shape", axis=0),
+            key_shape=node("Concat", [sequences, width_1d, lit("key_tail", [d])], "key_shape", axis=0),
+            row_shape=node("Concat", [as_1d(batch, "batch_1d"), lit("row_tail", [-1, d])], "row_shape", axis=0),
+            length=as_1d(length, "length_1d"),
+        )
+
+    def windowed_attention(self, q: str, k: str, v: str, windows: _Windows, scope: str,
+                           attention: dict[str, Any]) -> str:
         """A local layer's attention: (B, L, D) queries padded to whole blocks, each block's keys
-        gathered, one MultiHeadAttention over B * blocks short sequences, cut back to L rows."""
-        node = lambda op, inputs, name, **kw: self.node(op, inputs, f"{scope}/{name}", **kw)  # noqa: E731
-        queries = node("Reshape", [node("Pad", [q, windows["pad"]], "pad_queries"), windows["query_shape"]], "query_blocks")
-        keys, values = (node("Reshape", [node("Gather", [x, windows["key_index"]], f"gather_{part}", axis=1),
-                                         windows["key_shape"]], f"{part}_blocks")
+        and values gathered, one MultiHeadAttention over B * N short sequences, cut back to L rows."""
+        def node(op: str, inputs: list[str], name: str, **attributes: Any) -> str:
+            return self.node(op, inputs, f"{scope}/{name}", **attributes)
+
+        queries = node("Reshape", [node("Pad", [q, windows.query_pads], "padded_queries"), windows.query_shape],
+                       "query_blocks")
+        keys, values = (node("Reshape", [node("Gather", [x, windows.key_index], f"window_{part}", axis=1),
+                                         windows.key_shape], f"{part}_blocks")
                         for x, part in ((k, "keys"), (v, "values")))
-        context = node("MultiHeadAttention", [queries, keys, values, "", "", windows["bias"]], "attention",
-                       domain=CONTRIB_DOMAIN, num_heads=self.config.num_heads, scale=self.config.head_dim ** -0.5,
-                       mask_filter_value=_NEG)
-        rows = node("Reshape", [context, windows["out_shape"]], "context_rows")
-        return node("Slice", [rows, windows["zero_1d"], windows["length"], windows["axis1_1d"]], "context")
+        context = self.fused("MultiHeadAttention", [queries, keys, values, "", "", windows.bias],
+                             f"{scope}/attention", **attention)
+        rows = node("Reshape", [context, windows.row_shape], "context_rows")
+        return node("Slice", [rows, self.literal(f"{scope}/slice_start", [0]), windows.length,
+                              self.literal(f"{scope}/slice_axis", [1])], "context")
