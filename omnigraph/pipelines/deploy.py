@@ -275,12 +275,27 @@ def resolve_pipeline(deploy: DeployConfig) -> PipelineConfig:
             got = "none" if stage.backend is None else repr(stage.backend.name)
             raise DeployConfigError(f"stages[{index}].backend: stage {stage.stage_id} is a {kind.value} stage and "
                                     f"needs a {needed!r} backend, got {got}")
-        if kind is StageExecutionType.LLM_POOLING and stage.num_replicas != 1:
-            raise DeployConfigError(f"stages[{index}].num_replicas: a {NATIVE_BACKEND} stage runs one vLLM engine; "
-                                    "scale it inside vLLM (engine_args tensor_parallel_size, data_parallel_size)")
+        if kind is StageExecutionType.LLM_POOLING:
+            _check_native_stage(stage, index)
     if deploy.async_chunk and any(s.execution_type is StageExecutionType.GRAPH for s in pipeline.stages):
         raise DeployConfigError("async_chunk: graph stages hand off whole outputs; async_chunk must be false")
     return pipeline
+
+
+# Keys of a graph stage that a native stage has no use for, and why.
+_GRAPH_ONLY_KEYS = {
+    "num_replicas": "runs one vLLM engine; scale it inside vLLM (engine_args tensor_parallel_size, data_parallel_size)",
+    "batching": "is batched by vLLM's scheduler (engine_args max_num_seqs, max_num_batched_tokens)",
+    "restart": "is never restarted: a dead engine fails the stage",
+    "env": "runs in this process (set the environment of the process itself)",
+}
+
+
+def _check_native_stage(stage: StageDeployConfig, index: int) -> None:
+    """Refuse graph-stage keys on a native stage instead of ignoring them."""
+    for key, why in _GRAPH_ONLY_KEYS.items():
+        if key in stage.model_fields_set:
+            raise DeployConfigError(f"stages[{index}].{key}: a {NATIVE_BACKEND} stage {why}")
 
 
 def _inline_pipeline(deploy: DeployConfig) -> PipelineConfig:

@@ -162,9 +162,22 @@ def test_a_stage_needs_the_backend_of_its_execution_type(bundle):
     swapped = {**plan, "stages": [{**plan["stages"][0], "backend": plan["stages"][1]["backend"]}, plan["stages"][1]]}
     with pytest.raises(DeployConfigError, match=r"stages\[0\]\.backend: stage 0 is a llm_pooling stage and needs a 'vllm.pooling.v1'"):
         resolve_pipeline(validate_deploy_config(swapped))
-    replicated = {**plan, "stages": [{**plan["stages"][0], "num_replicas": 2}, plan["stages"][1]]}
-    with pytest.raises(DeployConfigError, match=r"stages\[0\]\.num_replicas: a vllm.pooling.v1 stage runs one vLLM engine"):
-        resolve_pipeline(validate_deploy_config(replicated))
+
+
+
+@pytest.mark.parametrize(("key", "value", "message"), [
+    ("num_replicas", 2, "runs one vLLM engine"),
+    ("batching", {"max_batch_rows": 8}, "is batched by vLLM's scheduler"),
+    ("restart", {"max_restarts": 1}, "is never restarted"),
+    ("env", {"A": "1"}, "runs in this process"),
+])
+def test_graph_stage_keys_on_a_native_stage_are_refused_not_ignored(bundle, key, value, message):
+    raw = {"pipeline": PIPELINE.model_type,
+           "stages": [{"stage_id": 0, key: value, "backend": {"name": NATIVE_BACKEND, "model": str(bundle / "backbone")}},
+                      {"stage_id": 1, "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle),
+                                                  "route": {"name": "local-cpu"}}}]}
+    with pytest.raises(DeployConfigError, match=rf"stages\[0\]\.{key}: a vllm.pooling.v1 stage {message}"):
+        resolve_pipeline(validate_deploy_config(raw))
 
 
 def test_without_vllm_a_native_stage_is_refused_clearly(bundle, monkeypatch):
