@@ -68,7 +68,8 @@ BAR_LAYA_CUDA_BATCH_ENGINE = 1226.0
 BAR_LAYA_PREDICT_BATCH_64 = 1327.0
 OFF, ON = "omnigraph batching off", "omnigraph batching on"
 LAYA_CUDA, LAYA_BATCH = "laya-cuda BatchEngine", "laya predict_batch"
-CASES = ("omnigraph", "laya-cuda", "laya", "host")
+# host first: in a process where torch has run (laya) its idle thread pools slow the processor down.
+CASES = ("host", "omnigraph", "laya-cuda", "laya")
 
 
 def _harness() -> Any:
