@@ -15,7 +15,9 @@ with one symbolic batch dim used nowhere else: `batch_axis_problem` checks that 
 loaded bundle's declared I/O.
 
 A free replica takes the oldest queued item, gathers every compatible item that fits, and while
-the call is not full waits up to `wait_us` after that for more to arrive (`DEFAULT_BATCH_WAIT_US`).
+the call is not full and more admitted requests exist than it holds (`StageQueue.admitted_requests`,
+the orchestrator's count) waits up to `wait_us` for more to arrive (`DEFAULT_BATCH_WAIT_US`): a
+lone request never waits for batch-mates that cannot come.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import bisect
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Hashable, Protocol
 
@@ -40,12 +42,13 @@ STOP = object()  # queued once per serving replica at shutdown
 
 # Why 500: closed-loop clients resubmit within a few hundred microseconds of their answers (the
 # answer's hand-off, prepare, admission), so a free replica that waits this long gathers most of them
-# into its call; waiting longer barely grows the calls while every lone request pays the full wait.
+# into its call; waiting longer barely grows the calls. (A lone request does not wait at all.)
 # Measured 2026-11-29 on the 2-core CPU development machine (shared, loaded), tiny checkpoint, one
 # 1-row noul request per client, 16 closed-loop AsyncOmni clients, max_batch_rows 32, 3 s per point,
-# two interleaved rounds: requests per call 7.8 at 0 us, 9.3 at 250, 11.6 at 500, 12.1 at 1000,
-# 12.5 at 2000 (decisions/s too noisy on that machine to rank the waits). Command: the sweep in the
-# batching report of issue 9 (benchmarks/throughput.py --batch-wait-us W gives the same load).
+# interleaved rounds: requests per call 7.8-8.0 at 0 us, 9.1-9.4 at 250, 10.5-12.2 at 500,
+# 11.2-12.5 at 1000, 11.8-12.5 at 2000 (decisions/s too noisy on that machine to rank the waits).
+# The sweep script is in the batching report of issue 9; benchmarks/throughput.py --batch-wait-us W
+# drives the same load.
 DEFAULT_BATCH_WAIT_US = 500
 
 
@@ -228,6 +231,9 @@ class StageQueue:
     def __init__(self, limits: BatchLimits, adapter: BatchAdapter) -> None:
         self.limits = limits
         self.adapter = adapter
+        # How many requests are admitted to the pipeline (set by the orchestrator; None: unknown,
+        # always wait): a replica waits for batch-mates only while more exist than its batch holds.
+        self.admitted_requests: Callable[[], int] | None = None
         self._entries: deque[Queued | object] = deque()
         self._ready = threading.Condition(threading.Lock())
 
@@ -265,13 +271,17 @@ class StageQueue:
                 while True:
                     total = self._gather_locked(batch, total)
                     remaining = deadline - time.monotonic()
-                    if total.rows >= self.limits.max_rows or remaining <= 0:
+                    if total.rows >= self.limits.max_rows or remaining <= 0 or not self._more_expected(batch):
                         break
                     self._ready.wait(remaining)
         now = time.monotonic()
         for entry in batch:
             entry.waited_s = now - entry.queued_at
         return batch
+
+    def _more_expected(self, batch: list[Queued]) -> bool:
+        """Whether admitted requests beyond the batch's own may still bring work."""
+        return self.admitted_requests is None or self.admitted_requests() > len({e.item.request_id for e in batch})
 
     def _gather_locked(self, batch: list[Queued], total: Footprint) -> Footprint:
         """Move queued items of the batch's group into it while the padded call stays within the

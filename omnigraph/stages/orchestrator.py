@@ -168,6 +168,9 @@ class Orchestrator:
         self.max_queued_requests = max_queued_requests
         self._chain: list[GraphStage] = runtime.ordered_stages
         self._active: dict[str, RequestState] = {}
+        for stage in self._chain:  # a free replica waits for batch-mates only while others are admitted
+            if isinstance(stage, GraphStage):
+                stage.queue.admitted_requests = self._active.__len__
         self._lock = threading.Lock()
         self.epoch = 0
         self._closed = False

@@ -294,3 +294,19 @@ def test_declared_batching_values_are_checked_once_and_a_refusing_adapter_stops_
     with pytest.raises(StageStartupError, match="batch adapter omnigraph.pipelines.laya.batching:LayaBatchAdapter "
                                                 "refused .*affine/manifest.json: .*metadata.layout has no pad_id"):
         GraphStage(laya, plan.stages[0], verify_bundle(bundles["affine"]), worker_route(plan.stages[0]), None)
+
+
+def test_a_replica_waits_for_batch_mates_only_while_other_requests_are_admitted():
+    def refuse_to_wait(timeout=None):
+        raise AssertionError("waited for batch-mates")
+
+    for admitted, waits in ((1, False), (2, True)):
+        stage_queue = queue(max_rows=8, wait_us=100_000)
+        stage_queue.admitted_requests = lambda: admitted
+        stage_queue._ready.wait = refuse_to_wait
+        stage_queue.put(Item("only", 1))
+        if waits:
+            with pytest.raises(AssertionError, match="waited for batch-mates"):
+                stage_queue.take()
+        else:
+            assert [entry.item.request_id for entry in stage_queue.take()] == ["only"]
