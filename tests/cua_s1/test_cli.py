@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
-
 from omnigraph.bundles import verify_bundle
 from omnigraph.pipelines.cua_s1.pipeline import CUA_S1_PIPELINE
 from omnigraph.pipelines.registry import get_pipeline

@@ -4,7 +4,9 @@ decoded from the letter logits exactly as the contract states (checked against N
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+import re
 
 import numpy as np
 import pytest
@@ -131,3 +133,22 @@ def test_audit_names_the_bundle_and_template(cua_processor, cua_bundle):
 def test_processor_refuses_other_bundles(cua_bundle):
     with pytest.raises(ValueError, match="takes one bundle"):
         CuaS1Processor({0: cua_bundle, 1: cua_bundle})
+
+
+def _with_manifest(bundle, *, component=None, **layout_changes):
+    """`bundle` as if its manifest said something else (the processor reads only the manifest)."""
+    manifest = bundle.manifest
+    metadata = dataclasses.replace(manifest.metadata, layout={**manifest.metadata.layout, **layout_changes})
+    return dataclasses.replace(bundle, manifest=dataclasses.replace(
+        manifest, component=component or manifest.component, metadata=metadata))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"component": "open_jev.head"}, "component 'open_jev.head' is not a cua_s1.head bundle"),
+    ({"head_outputs": ["scores"]}, "layout head_outputs ['scores'] is not ['letter_logits']"),
+    ({"max_model_len": 0}, "layout max_model_len must be a positive integer, got 0"),
+    ({"letter_token_ids": list(range(26))}, "are not the tokenizer's ids of A..Z"),
+])
+def test_processor_refuses_a_bundle_it_cannot_serve(cua_bundle, changes, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        CuaS1Processor({1: _with_manifest(cua_bundle, **changes)})

@@ -73,6 +73,35 @@ def choice_answer(question: ChoiceQuestion, logits: np.ndarray, temperature: flo
     }
 
 
+_LAYOUT_KEYS = ("backbone_dir", "max_model_len", "letter_token_ids", "prompt_template_file", "head_outputs")
+
+
+def _checked_layout(bundle: VerifiedBundle) -> Mapping[str, Any]:
+    """The manifest's ``layout``, holding what this processor reads, in the forms it needs."""
+    where = bundle.manifest_path
+    if bundle.manifest.component != COMPONENT:
+        raise ValueError(f"{where}: component {bundle.manifest.component!r} is not a {COMPONENT} bundle")
+    layout = bundle.manifest.metadata.layout or {}
+    missing = [key for key in _LAYOUT_KEYS if key not in layout]
+    if missing:
+        raise ValueError(f"{where}: layout has no {missing[0]!r}")
+    if layout["head_outputs"] != [OUTPUT_NAME]:
+        raise ValueError(f"{where}: layout head_outputs {layout['head_outputs']!r} is not [{OUTPUT_NAME!r}]")
+    max_model_len = layout["max_model_len"]
+    if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1:
+        raise ValueError(f"{where}: layout max_model_len must be a positive integer, got {max_model_len!r}")
+    return layout
+
+
+def _checked_temperature(bundle: VerifiedBundle) -> float:
+    """The calibration's softmax temperature (1.0 when the bundle names none)."""
+    temperature = (bundle.manifest.metadata.calibration or {}).get("temperature", 1.0)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"{bundle.manifest_path}: calibration temperature must be a positive number, "
+                         f"got {temperature!r}")
+    return float(temperature)
+
+
 class CuaS1Processor:
     """Validates and tokenizes Cua-S1 choices and decodes the letter head's logits."""
 
@@ -80,37 +109,26 @@ class CuaS1Processor:
         if len(bundles) != 1:
             raise ValueError(f"the Cua-S1 pipeline has one graph stage (the letter head), so it takes one bundle; "
                              f"got stages {sorted(bundles)}")
-        (self._bundle,) = bundles.values()
-        where = self._bundle.manifest_path
-        if self._bundle.manifest.component != COMPONENT:
-            raise ValueError(f"{where}: component {self._bundle.manifest.component!r} is not a {COMPONENT} bundle")
         if limits.max_choice_options > len(LETTERS):
-            raise ValueError(f"max_choice_options {limits.max_choice_options} exceeds the {len(LETTERS)} answer letters")
-        metadata = self._bundle.manifest.metadata
-        layout = metadata.layout or {}
-        for key in ("backbone_dir", "max_model_len", "letter_token_ids", "prompt_template_file"):
-            if key not in layout:
-                raise ValueError(f"{where}: layout has no {key!r}")
-        if layout.get("head_outputs") != [OUTPUT_NAME]:
-            raise ValueError(f"{where}: layout head_outputs {layout.get('head_outputs')!r} is not [{OUTPUT_NAME!r}]")
-        tokenizer = Tokenizer.from_file(str(self._bundle.file(f"{layout['backbone_dir']}/tokenizer.json")))
+            raise ValueError(f"max_choice_options {limits.max_choice_options} exceeds the "
+                             f"{len(LETTERS)} answer letters")
+        (bundle,) = bundles.values()
+        layout = _checked_layout(bundle)
+        tokenizer = Tokenizer.from_file(str(bundle.file(f"{layout['backbone_dir']}/tokenizer.json")))
         if letter_token_ids(tokenizer) != layout["letter_token_ids"]:
-            raise ValueError(f"{where}: layout letter_token_ids {layout['letter_token_ids']} are not the "
-                             f"tokenizer's ids of A..Z")
-        template_path = self._bundle.file(layout["prompt_template_file"])
-        self._prompter = ChatPrompter(PromptTemplate.load(template_path), tokenizer)
-        self._max_model_len = layout["max_model_len"]
-        calibration = metadata.calibration or {}
-        self._temperature = calibration.get("temperature", 1.0)
-        if isinstance(self._temperature, bool) or not isinstance(self._temperature, (int, float)) \
-                or not self._temperature > 0:
-            raise ValueError(f"{where}: calibration temperature must be a positive number, got {self._temperature!r}")
+            raise ValueError(f"{bundle.manifest_path}: layout letter_token_ids {layout['letter_token_ids']} are "
+                             f"not the tokenizer's ids of A..Z")
+        template = PromptTemplate.load(bundle.file(layout["prompt_template_file"]))
+        self._prompter = ChatPrompter(template, tokenizer)
+        self._max_model_len: int = layout["max_model_len"]
+        self._temperature = _checked_temperature(bundle)
         self._limits = limits
+        metadata = bundle.manifest.metadata
         self._audit = {
-            "model_hash": self._bundle.manifest_sha256,
+            "model_hash": bundle.manifest_sha256,
             "checkpoint_revision": metadata.checkpoint_revision,
-            "calibration_version": calibration.get("version", ""),
-            "prompt_template_sha256": self._bundle.manifest.files[layout["prompt_template_file"]],
+            "calibration_version": (metadata.calibration or {}).get("version", ""),
+            "prompt_template_sha256": bundle.manifest.files[layout["prompt_template_file"]],
             "precision": metadata.precision,
         }
 
@@ -134,7 +152,8 @@ class CuaS1Processor:
         """The response: each question answered on its own prompt's letter logits."""
         context: CuaS1Context = prepared.context
         if len(outputs) != len(prepared.work):
-            raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per question), got {len(outputs)}")
+            raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per question), "
+                                         f"got {len(outputs)}")
         questions = context.request.questions
         answers = {}
         for item, (question, output) in enumerate(zip(questions, outputs)):
