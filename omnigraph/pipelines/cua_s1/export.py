@@ -16,6 +16,12 @@
 
 runs the head in ONNX Runtime against NumPy on the example, and packs the folder, so every file,
 the backbone's included, is hashed in the manifest. A failure leaves nothing behind.
+
+The base is read as a causal-LM checkpoint (top-level ``hidden_size``, ``model.layers.*`` tensors
+as the adapter names them). The published Qwen3.5-4B base is the multimodal
+``Qwen3_5ForConditionalGeneration`` (``text_config``, ``model.language_model.*``, tied
+embeddings): its text tower has to be written out as a causal LM first; this exporter refuses it
+by name rather than guess.
 """
 
 from __future__ import annotations

@@ -38,6 +38,8 @@ OUTPUT_NAME = "letter_logits"
 #: The response's ``model`` when the request names none.
 DEFAULT_MODEL_NAME = "cua_s1"
 _DECIMALS = 4
+# What the processor reads from the manifest's layout.
+_LAYOUT_KEYS = ("backbone_dir", "max_model_len", "letter_token_ids", "prompt_template_file", "head_outputs")
 
 #: A real one-question request over a small accessibility tree.
 WARMUP_REQUEST = {
@@ -71,9 +73,6 @@ def choice_answer(question: ChoiceQuestion, logits: np.ndarray, temperature: flo
         "confidence": round(_entropy_confidence(p, n), _DECIMALS),
         "answer_confidence": round(min(1.0, max(0.0, float(p[best]))), _DECIMALS),
     }
-
-
-_LAYOUT_KEYS = ("backbone_dir", "max_model_len", "letter_token_ids", "prompt_template_file", "head_outputs")
 
 
 def _checked_layout(bundle: VerifiedBundle) -> Mapping[str, Any]:
