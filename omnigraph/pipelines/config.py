@@ -45,7 +45,7 @@ class StagePipelineConfig:
     `max_batch_tokens`, `max_batch_markers` and `max_batch_bytes` bound the call's padded tokens
     (rows x length), marker slots (rows x slots) and input bytes; `batch_wait_us` is how long a
     free replica waits for more work (None: the engine's measured default). `batch_adapter` names
-    the model's `BatchAdapter` class (constructed with the stage's bundle), which groups, packs and
+    the model's `BatchAdapter` class (constructed with the stage's bundle and route), which groups, packs and
     unpacks its work items (None: items identical except along axis 0 are concatenated). The deploy
     YAML's `batching:` overrides each limit per stage.
     """

@@ -81,7 +81,8 @@ class Footprint:
 
 
 class BatchAdapter(Protocol):
-    """A model's knowledge of how its work items share a call (constructed with the stage's bundle)."""
+    """A model's knowledge of how its work items share a call, constructed with the stage's
+    `VerifiedBundle` and `WorkerRoute` (a route running fixed shapes may need padded buckets)."""
 
     def group(self, tensors: Mapping[str, np.ndarray]) -> Hashable | None:
         """Items of equal groups may share a call; None: this item always runs alone."""

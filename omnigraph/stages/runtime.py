@@ -76,12 +76,12 @@ def worker_route(stage: StageDeployConfig) -> WorkerRoute:
     )
 
 
-def _batch_adapter(config: StagePipelineConfig, bundle: VerifiedBundle) -> BatchAdapter:
-    """The stage's declared batch adapter built for its bundle (AxisZeroAdapter when none is named)."""
+def _batch_adapter(config: StagePipelineConfig, bundle: VerifiedBundle, route: WorkerRoute) -> BatchAdapter:
+    """The stage's declared batch adapter built for its bundle and route (AxisZeroAdapter when none is named)."""
     if config.batch_adapter is None:
         return AxisZeroAdapter()
     try:
-        return resolve_dotted(config.batch_adapter)(bundle)
+        return resolve_dotted(config.batch_adapter)(bundle, route)
     except Exception as exc:
         raise StageStartupError(config.stage_id, 0, f"batch adapter {config.batch_adapter} refused "
                                 f"{bundle.manifest_path}: {exc}") from exc
@@ -97,7 +97,7 @@ class GraphStage:
         self.bundle = bundle
         self.route = route
         self.stage_id = config.stage_id
-        self.queue = StageQueue(BatchLimits.for_stage(config, deploy.batching), _batch_adapter(config, bundle))
+        self.queue = StageQueue(BatchLimits.for_stage(config, deploy.batching), _batch_adapter(config, bundle, route))
         self.batch_stats = BatchStats()
         self.replicas: list[GraphStageClient] = []
         self.input_specs: dict[str, InputSpec] = {}

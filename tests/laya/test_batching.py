@@ -17,6 +17,7 @@ from omnigraph.pipelines.laya.processor import LayaProcessor
 from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 from omnigraph.stages.batching import BatchLimits, Footprint, StageQueue
 from omnigraph.stages.errors import RequestCancelled
+from omnigraph.workers.route import WorkerRoute
 
 WORDS = "refund order please charge late customer angry ticket email billing thanks error invoice twice".split()
 # One merged call gathers everything queued within this wait: Omni submits a list of prompts at once.
@@ -63,9 +64,14 @@ def processor(bundle):
     return LayaProcessor({0: verify_bundle(bundle)})
 
 
+def route(**options) -> WorkerRoute:
+    return WorkerRoute(name="test", interpreter=sys.executable, **options)
+
+
 @pytest.fixture(scope="module")
 def adapter(bundle):
-    return LayaBatchAdapter(verify_bundle(bundle))
+    """The adapter on a CUDA-graph route: rows padded to their power-of-two bucket."""
+    return LayaBatchAdapter(verify_bundle(bundle), route(ep="cuda", enable_cuda_graph=True))
 
 
 def laya_plan(bundle, batching: dict):
@@ -125,6 +131,14 @@ def test_the_adapter_pads_the_merged_call_and_gives_each_item_its_own_rows_and_s
     assert shares[0]["logits"].tolist() == [outputs["logits"][0, :first["marker_pos"].shape[1]].tolist()]
     with pytest.raises(ValueError, match="output 'logits' is \\[8, 1\\]; the packed call needs \\[8, "):
         adapter.unpack({**outputs, "logits": outputs["logits"][:, :1]}, items)
+
+
+def test_routes_without_fixed_shapes_get_no_padding_rows(bundle, processor):
+    items = [processor.prepare(REQUESTS[i]).work[0] for i in (0, 1, 4)]
+    cpu = LayaBatchAdapter(verify_bundle(bundle), route())
+    assert not cpu.fixed_shapes and LayaBatchAdapter(verify_bundle(bundle), route(ep="tensorrt")).fixed_shapes
+    assert cpu.pack(items)["input_ids"].shape[0] == 5
+    assert cpu.padded(functools.reduce(Footprint.combine, map(cpu.footprint, items))).rows == 5
 
 
 class Item:

@@ -3,11 +3,12 @@
 The processor's work items hold real rows only, each item padded in length and marker slots to
 its own buckets (``sequence.BatchLayout``). Items share a call when their padded lengths fall in
 the same power-of-two class (17-32, 33-64, ..., 257-512 tokens), so a merged call pads no row to
-more than twice its own bucket; the call's rows are padded to a power of two by repeating its last
-real row (the bucket shapes a CUDA-graph route captures), its length and marker slots to the
-widest item's. Unpacking gives each item its own rows and marker slots: padded rows and slots
-never reach a response, and every question is still decoded on its own row (normalisation per
-question, usage per request, in ``processor.finish``).
+more than twice its own bucket; its length and marker slots are padded to the widest item's. On a
+route that runs fixed shapes (CUDA graphs, TensorRT) the call's rows are padded to a power of two
+(the layout's ``rows`` bucket) by repeating its last real row; elsewhere ONNX Runtime takes any
+row count, so padding rows would only burn compute. Unpacking gives each item its own rows and
+marker slots: padded rows and slots never reach a response, and every question is still decoded
+on its own row (normalisation per question, usage per request, in ``processor.finish``).
 
 Padding cannot change a real row's answer: attention masks padded tokens, ``marker_mask`` masks
 padded slots, and rows never mix in the graph; on CPU fp32 the logits are bit-identical whatever
@@ -25,6 +26,7 @@ from omnigraph.stages.batching import BatchShape, Footprint
 
 if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle
+    from omnigraph.workers.route import WorkerRoute
 
 __all__ = ["GRAPH_INPUTS", "LayaBatchAdapter"]
 
@@ -38,11 +40,16 @@ _TOKEN_BYTES, _MARKER_BYTES, _ROW_BYTES = 16, 9, 8
 class LayaBatchAdapter:
     """Groups, packs and unpacks Laya decision work items (see the module docstring)."""
 
-    def __init__(self, bundle: VerifiedBundle) -> None:
+    def __init__(self, bundle: VerifiedBundle, route: WorkerRoute) -> None:
         layout = bundle.manifest.metadata.layout or {}
         if "pad_id" not in layout:
             raise ValueError(f"{bundle.manifest_path}: metadata.layout has no pad_id")
         self._layout = BatchLayout(pad_id=layout["pad_id"], max_len=layout.get("max_len", BatchLayout.max_len))
+        self.fixed_shapes = route.enable_cuda_graph or route.ep == "tensorrt"
+
+    def padded_rows(self, rows: int) -> int:
+        """The rows of a call holding `rows` real rows: their bucket on fixed-shape routes."""
+        return self._layout.rows_bucket(rows) if self.fixed_shapes else rows
 
     def group(self, tensors: Mapping[str, np.ndarray]) -> Hashable | None:
         """The item's length class; None (runs alone) for anything but the five graph inputs."""
@@ -56,15 +63,15 @@ class LayaBatchAdapter:
                          markers=tensors["marker_pos"].shape[1])
 
     def padded(self, total: Footprint) -> BatchShape:
-        rows = self._layout.rows_bucket(total.rows)
+        rows = self.padded_rows(total.rows)
         return BatchShape(rows=rows, tokens=rows * total.length, markers=rows * total.markers,
                           bytes=rows * (total.length * _TOKEN_BYTES + total.markers * _MARKER_BYTES + _ROW_BYTES),
                           real_rows=total.rows, real_tokens=total.tokens)
 
     def pack(self, items: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """The items' rows in order, then padding rows repeating the last real row."""
+        """The items' rows in order, then any padding rows, repeating the last real row."""
         real = sum(item["input_ids"].shape[0] for item in items)
-        rows = self._layout.rows_bucket(real)
+        rows = self.padded_rows(real)
         if len(items) == 1 and rows == real:
             return dict(items[0])
         length = max(item["input_ids"].shape[1] for item in items)
@@ -90,7 +97,7 @@ class LayaBatchAdapter:
     def unpack(self, outputs: Mapping[str, np.ndarray],
                items: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
         """Each item's ``logits`` [rows, its slots] and ``act_logits`` [rows, 2]."""
-        rows = self._layout.rows_bucket(sum(item["input_ids"].shape[0] for item in items))
+        rows = self.padded_rows(sum(item["input_ids"].shape[0] for item in items))
         markers = max(item["marker_pos"].shape[1] for item in items)
         for name, shape in (("logits", (rows, markers)), ("act_logits", (rows, 2))):
             if name not in outputs or outputs[name].shape != shape:
