@@ -51,6 +51,7 @@ __all__ = [
     "DEFAULT_SYSTEM_MESSAGE",
     "DEFAULT_USER_MESSAGE",
     "DEFAULT_OPTION_LINE",
+    "SPECIAL_TOKEN_KEYS",
     "PromptTemplateInvalid",
     "PromptTemplate",
     "ChatPrompter",
