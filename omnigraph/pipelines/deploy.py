@@ -40,6 +40,7 @@ GRAPH_BACKEND = "external.graph.v1"
 NATIVE_BACKEND = "vllm.pooling.v1"
 # Engine arguments omnigraph sets itself: a pooling engine over `model` returning raw hidden states.
 MANAGED_ENGINE_ARGS = ("model", "dtype", "max_model_len", "runner", "convert", "pooler_config")
+DEFAULT_NATIVE_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_MAX_QUEUED_REQUESTS = 32
 DEFAULT_MAX_RESTARTS = 5
 DEFAULT_RESTART_WINDOW_S = 60.0
@@ -91,13 +92,16 @@ class NativeBackendConfig(_Strict):
     """An `llm_pooling` stage's backend: vLLM serving the checkpoint folder `model` as a pooling
     model (`runner=pooling, convert=embed`, LAST-token pooling without activation), in `dtype`.
     `engine_args` go to vLLM's `AsyncEngineArgs` as they are (e.g. `enforce_eager`,
-    `kv_cache_memory_bytes`, `tensor_parallel_size`); the keys omnigraph sets are refused there."""
+    `kv_cache_memory_bytes`, `tensor_parallel_size`); the keys omnigraph sets are refused there.
+    `startup_timeout_s` bounds the engine's start (loading, profiling, KV cache allocation: minutes
+    for large models, so it has its own bound rather than the graph workers')."""
 
     name: Literal["vllm.pooling.v1"]
     model: Path
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_model_len: int | None = Field(default=None, ge=1)
     engine_args: dict[str, Any] = Field(default_factory=dict)
+    startup_timeout_s: float = Field(default=DEFAULT_NATIVE_STARTUP_TIMEOUT_S, gt=0)
 
     @field_validator("model", mode="before")
     @classmethod

@@ -356,8 +356,10 @@ class NativeStage:
                 self.verified_by = bundle
                 return
 
-    def start(self, reservation: Reservation, ledger: ResourceLedger, *, timeout: float) -> None:
-        """Start (or attach to the served) engine under `reservation`; checks the engine fits."""
+    def start(self, reservation: Reservation, ledger: ResourceLedger) -> None:
+        """Start (within the backend's `startup_timeout_s`) or attach to the served engine under
+        `reservation`; checks the engine fits."""
+        timeout = self.backend.startup_timeout_s
         if self._served is not None:
             engine = PoolingEngine.served(self._served)
         else:

@@ -315,7 +315,7 @@ class StageRuntime:
         try:
             for (stage, replica), reservation in zip(owners, reservations):
                 if isinstance(stage, NativeStage):
-                    stage.start(reservation, self.ledger, timeout=self.startup_timeout)
+                    stage.start(reservation, self.ledger)
                 else:
                     stage.replicas.append(self._start_replica(stage, replica, reservation, launched))
             for stage in stages:

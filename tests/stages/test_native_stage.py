@@ -77,7 +77,7 @@ def _head_bundle(folder, backbone, weights: np.ndarray, *, hidden: int = HIDDEN)
 
 
 def _plan(bundle, **native):
-    backend = {"name": NATIVE_BACKEND, "model": str(bundle / "backbone"), "max_model_len": 512,
+    backend = {"name": NATIVE_BACKEND, "model": str(bundle / "backbone"), "max_model_len": 512, "startup_timeout_s": 300,
                "engine_args": ENGINE_ARGS, **native}
     return validate_deploy_config({
         "pipeline": PIPELINE.model_type,
