@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import shutil
+import signal
 import sys
 import time
 
@@ -34,8 +36,9 @@ from omnigraph.pipelines.deploy import (
 from omnigraph.pipelines.qwen.synth import synthesize_qwen3_backbone
 from omnigraph.pipelines.registry import register_pipeline
 from omnigraph.plugin.omni import DEFAULT_NATIVE_ENGINE_ARGS, AsyncOmni, build_plan
-from omnigraph.stages.errors import DeadlineExceeded, RequestCancelled, StageStartupError
+from omnigraph.stages.errors import DeadlineExceeded, RequestCancelled, StageStartupError, StageUnavailable
 from omnigraph.stages.ledger import ResourceLedger
+from omnigraph.stages.native_client import NativeStageError, PoolingEngine
 from omnigraph.stages.runtime import StageRuntime
 
 pytestmark = [
@@ -192,6 +195,12 @@ def test_without_vllm_a_native_stage_is_refused_clearly(bundle, monkeypatch):
         deploy._engine_arg_names.cache_clear()
 
 
+def test_without_vllm_the_runtime_refuses_to_start_a_native_stage(bundle, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(NativeStageError, match=r"stage 0 replica 0: vLLM cannot be imported .* install the vllm extra"):
+        PoolingEngine.start(_plan(bundle).stage(0).backend, stage_id=0, timeout=1)
+
+
 def test_the_default_plan_runs_the_backbone_the_bundle_carries(bundle):
     pipeline, plan = build_plan(PIPELINE.model_type, bundle=bundle)
     native, head = plan.stage(0).backend, plan.stage(1).backend
@@ -296,12 +305,28 @@ def test_execution_plan_describes_the_engine_and_its_reservation(omni, bundle):
     assert omni.ledger_snapshot()["constraints"]["machine:ram"]["held"] == 3 * GiB
 
 
+def test_a_dead_engine_fails_the_stage_for_good(omni):
+    client = omni.runtime.stages[0].replicas[0].engine.client
+    engine_core = client.engine_core.resources.engine_manager.processes[0]
+    os.kill(engine_core.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not client.errored and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with pytest.raises(StageUnavailable, match="the vLLM engine died during request"):
+        asyncio.run(_run(omni, [[1, 2, 3]]))
+    assert "stage 0: vLLM engine failed" in omni.failure()
+    with pytest.raises(StageUnavailable, match=r"stage 0 has no live engine .*; recreate the pipeline") as refused:
+        asyncio.run(_run(omni, [[1, 2, 3]]))
+    assert refused.value.retry_after is None
+
+
 def test_shutdown_stops_the_engine_and_releases_the_ledger(omni):
     engine = omni.runtime.stages[0].replicas[0].engine
     omni.shutdown()
     assert omni.ledger_snapshot()["constraints"]["machine:ram"]["held"] == 0
     assert omni.ledger_snapshot()["reservations"] == []
-    assert not engine.client.engine_core.resources.engine_manager.processes[0].is_alive()
+    assert not any(process.is_alive() for process in engine.client.engine_core.resources.engine_manager.processes)
+    assert not engine.loop.is_running()
 
 
 # -- a refused start --------------------------------------------------------------------------
