@@ -43,24 +43,26 @@ class Reference:
 
     def prompts(self, request: dict) -> dict[str, list[str]]:
         """Each question's prompts, rendered here from the model's prompt contract (not the processor's code)."""
-        state = request["state"] if isinstance(request["state"], str) else json.dumps(request["state"],
-                                                                                        ensure_ascii=False)
+        def text(value) -> str:  # strings as they are, anything else as JSON with sorted keys
+            return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
+
         out = {}
         for qid, question in request["questions"].items():
-            instructions = question["instructions"]
+            instructions = text(question["instructions"])
             criteria = question.get("criteria")
             if question["type"] == "noul":
                 if criteria:
-                    instructions += f"\nYes means: {criteria.get('true', 'yes, the statement holds')}" \
-                                    f"\nNo means: {criteria.get('false', 'no, the statement does not hold')}"
+                    sides = {side.lower(): value for side, value in criteria.items()}
+                    instructions += f"\nYes means: {text(sides.get('true') or 'yes, the statement holds')}" \
+                                    f"\nNo means: {text(sides.get('false') or 'no, the statement does not hold')}"
                 candidates = None
             elif question["type"] == "score":
-                candidates = list(criteria)
+                candidates = [text(level) for level in criteria]
             elif isinstance(criteria, list):
                 candidates = [str(label) for label in criteria]
             else:
-                candidates = [label if not desc else f"{label}: {desc}" for label, desc in criteria.items()]
-            prefix = f"Context:\n{state}\n\nQuestion: {instructions}\n"
+                candidates = [label if not desc else f"{label}: {text(desc)}" for label, desc in criteria.items()]
+            prefix = f"Context:\n{text(request['state'])}\n\nQuestion: {instructions}\n"
             if candidates is None:
                 out[qid] = [prefix + "Is the answer to this question yes? Answer Yes or No."]
             else:

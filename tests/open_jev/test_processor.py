@@ -19,11 +19,13 @@ REQUEST = {
     "state": {"ticket": "My parcel is late and I was billed twice.", "priority": 2},
     "questions": {
         "team": {"type": "choice", "instructions": "Which team handles it?",
-                 "criteria": {"billing": "payments, refunds", "shipping": "parcels", "other": None}},
-        "urgency": {"type": "score", "instructions": "How urgent?", "criteria": ["none", "some", "very"]},
+                 "criteria": {"billing": "payments, refunds", "shipping": {"what": "parcels", "also": "déjà"},
+                              "other": None}},
+        "urgency": {"type": "score", "instructions": {"task": "How urgent?", "scale": [0, 2]},
+                    "criteria": ["none", "some", {"very": True}]},
         "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
         "angry": {"type": "noul", "instructions": "Is the customer angry?",
-                  "criteria": {"true": "uses strong words"}},
+                  "criteria": {"True": "uses strong words", "false": ["calm", "polite"]}},
         "labels": {"type": "choice", "instructions": "Pick a tag", "criteria": ["late", "billing", 7]},
     },
 }
@@ -35,6 +37,7 @@ def _split(work: dict) -> list[list[int]]:
 
 
 def test_prompts_and_token_ids_equal_the_transformers_reference(jev_processor, jev_reference):
+    """Structured values (the state, instructions, criteria) are shown as JSON with sorted keys."""
     prepared = jev_processor.prepare(REQUEST)
     expected = jev_reference.token_ids(REQUEST)
     assert len(prepared.work) == len(REQUEST["questions"])  # one work item per question

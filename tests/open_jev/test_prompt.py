@@ -6,38 +6,35 @@ import json
 
 import pytest
 
-from omnigraph.pipelines.laya.request import parse_request
 from omnigraph.pipelines.open_jev.prompt import (
-    DEFAULT_PROMPT_TEMPLATE, PROMPT_TEMPLATE_FORMAT, PromptTemplate, PromptTemplateInvalid, question_prompts,
+    DEFAULT_PROMPT_TEMPLATE, PROMPT_TEMPLATE_FORMAT, PromptTemplate, PromptTemplateInvalid, content_text,
+    question_prompts,
 )
 
 
 def test_the_default_template_renders_one_prompt_per_candidate():
-    request = parse_request({"state": "S", "questions": {
-        "c": {"type": "choice", "instructions": "Which?", "criteria": {"a": "first", "b": None}},
-        "s": {"type": "score", "instructions": "How?", "criteria": ["low", "high"]},
-        "n": {"type": "noul", "instructions": "Yes?"},
-    }})
-    choice, score, noul = (question_prompts(DEFAULT_PROMPT_TEMPLATE, request.state_text, q, None)
-                           for q in request.questions)
+    choice = question_prompts(DEFAULT_PROMPT_TEMPLATE, "S", "Which?", ["a: first", "b"])
+    noul = question_prompts(DEFAULT_PROMPT_TEMPLATE, "S", "Yes?", None)
     ask = "\nIs this proposed answer correct? Answer Yes or No."
     assert choice == (f"Context:\nS\n\nQuestion: Which?\nProposed answer: a: first{ask}",
                       f"Context:\nS\n\nQuestion: Which?\nProposed answer: b{ask}")
-    assert score == (f"Context:\nS\n\nQuestion: How?\nProposed answer: low{ask}",
-                     f"Context:\nS\n\nQuestion: How?\nProposed answer: high{ask}")
     assert noul == ("Context:\nS\n\nQuestion: Yes?\nIs the answer to this question yes? Answer Yes or No.",)
 
 
 def test_noul_criteria_follow_the_instructions():
-    request = parse_request({"state": "S", "questions": {"n": {"type": "noul", "instructions": "Late?"}}})
-    (prompt,) = question_prompts(DEFAULT_PROMPT_TEMPLATE, "S", request.questions[0], ("on time", "after the date"))
+    (prompt,) = question_prompts(DEFAULT_PROMPT_TEMPLATE, "S", "Late?", None, ("on time", "after the date"))
     assert prompt.startswith("Context:\nS\n\nQuestion: Late?\nYes means: after the date\nNo means: on time\nIs ")
 
 
 def test_user_text_with_braces_is_not_a_placeholder():
-    request = parse_request({"state": "{state}", "questions": {"n": {"type": "noul", "instructions": "{x}?"}}})
-    (prompt,) = question_prompts(DEFAULT_PROMPT_TEMPLATE, request.state_text, request.questions[0], None)
+    (prompt,) = question_prompts(DEFAULT_PROMPT_TEMPLATE, "{state}", "{x}?", None)
     assert prompt.startswith("Context:\n{state}\n\nQuestion: {x}?\n")
+
+
+def test_structured_values_are_sorted_json_and_strings_stay_as_they_are():
+    assert content_text({"z": ["é", 1], "a": None}) == '{"a": null, "z": ["é", 1]}'
+    assert content_text(' {"z": 1} ') == ' {"z": 1} '
+    assert content_text(3) == "3"
 
 
 def test_the_json_form_round_trips_canonically():

@@ -6,9 +6,10 @@ one prompt per candidate (noul: the yes-question) with the bundle's prompt templ
 (``prompt.py``) and tokenizes them with the bundle's backbone tokenizer. Each question becomes one
 work item holding all its prompts (``prompt_token_ids`` [T], ``prompt_lengths`` [P]), so the
 backbone stage batches a question's candidates together and its scores come back together.
-``finish`` takes one ``{"scores": float64 [P]}`` per question and normalises each question over its
-own complete candidate set only (``decoding.py``). ``option_order`` is accepted and has no effect:
-every candidate is scored in its own prompt, so there is no order to show.
+Structured request values are shown as sorted JSON (``prompt.content_text``). ``finish`` takes
+one ``{"scores": float64 [P]}`` per question and normalises each question over its own complete
+candidate set only (``decoding.py``). ``option_order`` is accepted and has no effect: every
+candidate is scored in its own prompt, so there is no order to show.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from omnigraph.pipelines.laya.request import DecisionRequest, Question, RequestLimits, parse_request
+from omnigraph.pipelines.laya.request import (
+    NOUL_DEFAULT_TEXTS, DecisionRequest, Question, RequestLimits, parse_request,
+)
 from omnigraph.pipelines.open_jev.decoding import Calibration, decode_answer
-from omnigraph.pipelines.open_jev.prompt import PromptTemplate, question_prompts
+from omnigraph.pipelines.open_jev.prompt import PromptTemplate, content_text, question_prompts
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid, RequestTooLarge
 
 if TYPE_CHECKING:
@@ -57,8 +60,6 @@ WARMUP_REQUEST = {
     },
 }
 
-# The noul sides' labels: Open-Jev refuses custom ones, so Laya's rendering is "false: <text>".
-_NOUL_LABELS = ("false", "true")
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,35 @@ def _layout(bundle: VerifiedBundle) -> tuple[str, int]:
         raise ValueError(f"{where}: layout head_outputs is {layout.get('head_outputs')!r}; "
                          f"this processor reads [{HEAD_OUTPUT!r}]")
     return backbone_dir, max_model_len
+
+
+def _question_texts(question: Question, raw: Mapping[str, Any]
+                    ) -> tuple[str, tuple[str, ...] | None, tuple[str, str] | None]:
+    """A validated question's instructions, candidate texts (None: noul) and noul criteria texts.
+
+    Read from the request's own values (``parse_request`` has checked them) so that structured
+    ones are shown as ``content_text`` renders them; choice labels without a description are shown
+    as ``parse_request`` renders them.
+    """
+    instructions = content_text(raw["instructions"])
+    criteria = raw.get("criteria")
+    if question.qtype == "score":
+        return instructions, tuple(content_text(level) for level in criteria), None
+    if question.qtype == "choice":
+        if isinstance(criteria, list):
+            return instructions, question.options, None
+        return instructions, tuple(label if desc is None or desc == "" else f"{label}: {content_text(desc)}"
+                                   for label, desc in criteria.items()), None
+    if "labels" in raw:
+        raise RequestInvalid(f"questions.{question.qid}.labels",
+                             "Open-Jev asks a noul question as one yes-question, so its answers "
+                             "cannot be relabelled; word the criteria instead")
+    if not criteria:
+        return instructions, None, None
+    sides = {str(side).lower(): text for side, text in criteria.items()}
+    false_text, true_text = (default if sides.get(side) in (None, "") else content_text(sides[side])
+                             for side, default in zip(("false", "true"), NOUL_DEFAULT_TEXTS))
+    return instructions, None, (false_text, true_text)
 
 
 class OpenJevProcessor:
@@ -122,8 +152,9 @@ class OpenJevProcessor:
     def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
         """Validate the whole request, then build one work item per question."""
         decision = parse_request(request, self._limits)
-        prompts = [question_prompts(self._template, decision.state_text, question,
-                                    self._noul_sides(question, request["questions"][question.qid]))
+        state_text = content_text(request["state"])
+        prompts = [question_prompts(self._template, state_text,
+                                    *_question_texts(question, request["questions"][question.qid]))
                    for question in decision.questions]
         encoded = self._tokenizer.encode_batch([prompt for group in prompts for prompt in group])
         work, counts, tokens, start = [], [], [], 0
@@ -140,21 +171,6 @@ class OpenJevProcessor:
             tokens.append(sum(lengths))
         context = OpenJevContext(request=decision, prompt_counts=tuple(counts), prompt_tokens=tuple(tokens))
         return PreparedRequest(work=tuple(work), context=context)
-
-    @staticmethod
-    def _noul_sides(question: Question, raw: Mapping[str, Any]) -> tuple[str, str] | None:
-        """A noul question's (false, true) criteria texts when it gives criteria; refuses labels."""
-        if question.qtype != "noul":
-            return None
-        if "labels" in raw:
-            raise RequestInvalid(f"questions.{question.qid}.labels",
-                                 "Open-Jev asks a noul question as one yes-question, so its answers "
-                                 "cannot be relabelled; word the criteria instead")
-        if not raw.get("criteria"):
-            return None
-        false_text, true_text = (option.removeprefix(f"{label}: ")
-                                 for option, label in zip(question.options, _NOUL_LABELS))
-        return false_text, true_text
 
     def _check_budget(self, question: Question, ids: Sequence[Sequence[int]]) -> None:
         """Refuse a question whose longest prompt exceeds ``max_model_len`` (never truncated)."""

@@ -10,7 +10,9 @@ candidates or their order::
 The prefix is DESIGN.md's; the candidate line and the yes-question follow the public Open-Jev
 prompt contract (``Proposed answer: ...`` / ``Is this proposed answer correct? Answer Yes or No.``
 and ``Is the answer to this question yes? Answer Yes or No.``), and a noul question that gives
-criteria states them after its instructions (``Yes means: ...`` / ``No means: ...``). The real
+criteria states them after its instructions (``Yes means: ...`` / ``No means: ...``). Request
+values that are not strings (a state object, structured instructions or criteria) are shown as
+JSON with sorted keys (``content_text``), as that contract renders them. The real
 checkpoints keep this wording in their loader's code, not in a file, so it is the documented
 default here; a checkpoint that carries a ``prompt_template.json`` overrides it, and the bundle
 always carries the template it was built with (its sha256 is the audit's
@@ -23,15 +25,14 @@ import json
 import string
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping
-
-from omnigraph.pipelines.laya.request import Question
+from typing import Any, Mapping, Sequence
 
 __all__ = [
     "DEFAULT_PROMPT_TEMPLATE",
     "PROMPT_TEMPLATE_FORMAT",
     "PromptTemplate",
     "PromptTemplateInvalid",
+    "content_text",
     "question_prompts",
 ]
 
@@ -114,18 +115,18 @@ DEFAULT_PROMPT_TEMPLATE = PromptTemplate(
 )
 
 
-def question_prompts(template: PromptTemplate, state_text: str, question: Question,
-                     noul_sides: tuple[str, str] | None) -> tuple[str, ...]:
-    """The prompts of one question, in answer order: one per candidate, or the noul yes-question.
+def content_text(value: Any) -> str:
+    """A request value as the prompt shows it: a string as it is, anything else as sorted JSON."""
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, sort_keys=True)
 
-    ``noul_sides`` is the (false, true) criteria text of a noul question that gives criteria,
-    None otherwise.
-    """
-    instructions = question.instructions
+
+def question_prompts(template: PromptTemplate, state_text: str, instructions: str,
+                     candidates: Sequence[str] | None, noul_sides: tuple[str, str] | None = None) -> tuple[str, ...]:
+    """The prompts of one question, in answer order: one per candidate, or (candidates None) the
+    noul yes-question, with its (false, true) criteria texts when it gives criteria."""
     if noul_sides is not None:
         instructions += template.noul_criteria.format(false=noul_sides[0], true=noul_sides[1])
     prefix = template.prefix.format(state=state_text, instructions=instructions)
-    if question.qtype == "noul":
+    if candidates is None:
         return (prefix + template.noul,)
-    candidates = question.legend if question.qtype == "score" else question.options
     return tuple(prefix + template.candidate.format(candidate=candidate) for candidate in candidates)

