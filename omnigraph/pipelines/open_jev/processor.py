@@ -61,7 +61,6 @@ WARMUP_REQUEST = {
 }
 
 
-
 @dataclass(frozen=True)
 class OpenJevContext:
     """What ``finish`` needs: the validated request and each question's prompt count and tokens."""
