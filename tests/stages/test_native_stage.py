@@ -134,8 +134,9 @@ def _prompt(prompts: list[list[int]]) -> dict:
 
 
 async def _run(omni, prompts, **kwargs):
-    async for output in omni.generate(_prompt(prompts), **kwargs):
-        return output
+    """The request's one output; the generator runs to its end, so the request is acknowledged."""
+    (output,) = [output async for output in omni.generate(_prompt(prompts), **kwargs)]
+    return output
 
 
 def _prompts(seed: int, count: int, max_len: int = 40) -> list[list[int]]:
