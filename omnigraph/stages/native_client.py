@@ -171,7 +171,7 @@ def _abandon(build: Future, loop: asyncio.AbstractEventLoop) -> None:
 
 def check_engine_fits(engine: Any, backend: NativeBackendConfig, *, stage_id: int) -> None:
     """Refuse an engine that would not return what the plan's backend describes: a pooling runner
-    with LAST-token pooling, in the backend's dtype."""
+    with LAST-token pooling, in the backend's dtype, taking prompts as long as the plan's."""
     model_config = engine.model_config
     problems = []
     if model_config.runner_type != "pooling":
@@ -184,6 +184,9 @@ def check_engine_fits(engine: Any, backend: NativeBackendConfig, *, stage_id: in
                         f"(--pooler-config '{{\"pooling_type\": \"{POOLING_TYPE}\"}}')")
     if str(model_config.dtype) != _TORCH_DTYPES[backend.dtype]:
         problems.append(f"it computes in {model_config.dtype}, the plan asks for {backend.dtype} (--dtype {backend.dtype})")
+    if backend.max_model_len is not None and model_config.max_model_len < backend.max_model_len:
+        problems.append(f"it takes prompts of up to {model_config.max_model_len} tokens, the plan's are up to "
+                        f"{backend.max_model_len} (--max-model-len {backend.max_model_len})")
     if problems:
         raise NativeStageError(stage_id, 0, f"the vLLM engine serving {model_config.model} does not fit this stage: "
                                + "; ".join(problems))

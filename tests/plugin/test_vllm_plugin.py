@@ -106,7 +106,7 @@ def test_vllm_render_server_answers_like_omnigraph_serve(demo_server, tmp_path):
 
 
 def _model_config(**changes):
-    fields = {"model": "/b/backbone", "runner_type": "pooling", "dtype": "torch.float32",
+    fields = {"model": "/b/backbone", "runner_type": "pooling", "dtype": "torch.float32", "max_model_len": 4096,
               "pooler_config": Namespace(seq_pooling_type="LAST"), **changes}
     return Namespace(model_config=Namespace(**fields))
 
@@ -115,6 +115,7 @@ def _model_config(**changes):
     ({"runner_type": "generate"}, r"runs the 'generate' runner, not 'pooling' \(serve with --runner pooling --convert embed\)"),
     ({"pooler_config": Namespace(seq_pooling_type="MEAN")}, r"pools with 'MEAN', not 'LAST'"),
     ({"dtype": "torch.float16"}, r"computes in torch.float16, the plan asks for float32 \(--dtype float32\)"),
+    ({"max_model_len": 1024}, r"takes prompts of up to 1024 tokens, the plan's are up to 4096 \(--max-model-len 4096\)"),
 ])
 def test_a_served_engine_that_does_not_fit_the_native_stage_is_refused(tmp_path, changes, message):
     from omnigraph.pipelines.deploy import NATIVE_BACKEND, NativeBackendConfig
@@ -122,7 +123,7 @@ def test_a_served_engine_that_does_not_fit_the_native_stage_is_refused(tmp_path,
 
     (tmp_path / "config.json").write_text("{}")
     backend = NativeBackendConfig.model_construct(name=NATIVE_BACKEND, model=tmp_path, dtype="float32",
-                                                  max_model_len=None, engine_args={})
+                                                  max_model_len=4096, engine_args={})
     check_engine_fits(_model_config(), backend, stage_id=0)
     with pytest.raises(NativeStageError, match=r"stage 0 replica 0: the vLLM engine serving /b/backbone does not fit this stage: it " + message):
         check_engine_fits(_model_config(**changes), backend, stage_id=0)
