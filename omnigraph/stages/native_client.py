@@ -106,7 +106,10 @@ class PoolingEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
         except ImportError as exc:
             raise NativeStageError(stage_id, 0, f"vLLM cannot be imported ({exc}); install the vllm extra") from None
-        args = engine_args(backend)
+        try:
+            args = engine_args(backend)
+        except (TypeError, ValueError) as exc:  # e.g. an engine_args value of the wrong kind
+            raise NativeStageError(stage_id, 0, f"vLLM {vllm.__version__} refused the engine arguments: {exc}") from exc
         loop = asyncio.new_event_loop()
         thread = threading.Thread(target=loop.run_forever, name=f"omnigraph-stage{stage_id}-vllm", daemon=True)
         thread.start()
@@ -136,7 +139,8 @@ class PoolingEngine:
 
     @property
     def dead(self) -> bool:
-        return bool(getattr(self.client, "errored", False))
+        """The engine failed for good (its engine-core process died, or its output handler ended)."""
+        return self.client.errored
 
     def close(self, timeout: float) -> None:
         """Shut an owned engine down (its engine-core process exits), end the tasks it left on the

@@ -197,9 +197,10 @@ def test_without_vllm_a_native_stage_is_refused_clearly(bundle, monkeypatch):
 
 
 def test_without_vllm_the_runtime_refuses_to_start_a_native_stage(bundle, monkeypatch):
+    backend = _plan(bundle).stage(0).backend
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(NativeStageError, match=r"stage 0 replica 0: vLLM cannot be imported .* install the vllm extra"):
-        PoolingEngine.start(_plan(bundle).stage(0).backend, stage_id=0, timeout=1)
+        PoolingEngine.start(backend, stage_id=0, timeout=1)
 
 
 def test_the_default_plan_runs_the_backbone_the_bundle_carries(bundle):
@@ -342,3 +343,12 @@ def test_a_head_of_another_hidden_size_is_refused_and_everything_unwinds(backbon
         runtime.start()
     assert ledger.snapshot()["constraints"]["machine:ram"]["held"] == 0 and ledger.snapshot()["reservations"] == []
     assert runtime.stages == {}
+
+
+def test_engine_arguments_vllm_refuses_fail_the_start_and_release_the_plan(bundle):
+    plan = _plan(bundle, engine_args={"enforce_eager": "yes please"})  # a known key, a value vLLM refuses
+    ledger = ResourceLedger()
+    runtime = StageRuntime(resolve_pipeline(plan), plan, ledger=ledger)
+    with pytest.raises(NativeStageError, match=r"(?s)stage 0 replica 0: vLLM .* did not start .*enforce_eager"):
+        runtime.start()
+    assert ledger.snapshot()["constraints"]["machine:ram"]["held"] == 0 and ledger.snapshot()["reservations"] == []
