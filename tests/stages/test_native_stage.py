@@ -220,8 +220,9 @@ def test_a_bundle_without_a_backbone_cannot_feed_a_native_stage(tmp_path, backbo
         build_plan(PIPELINE.model_type, bundle=plain)
 
 
-# -- one engine ---------------------------------------------------------------------------------
+# -- one engine (slow: a vLLM start takes about a minute on a 2-core CPU) ---------------------------
 
+@pytest.mark.slow
 def test_hidden_states_equal_transformers_and_reach_the_head(omni, reference, weights):
     prompts = [[5, 6, 7], [1400], list(range(100, 160))]
     output = asyncio.run(_run(omni, prompts))
@@ -233,6 +234,7 @@ def test_hidden_states_equal_transformers_and_reach_the_head(omni, reference, we
     assert set(output.stage_durations) == {0, 1}
 
 
+@pytest.mark.slow
 def test_concurrent_requests_each_get_their_own_rows(omni, reference):
     batches = [_prompts(seed, count) for seed, count in zip(range(8), (1, 2, 3, 4, 1, 5, 2, 3))]
 
@@ -254,6 +256,7 @@ def _engine_idle(omni, timeout: float = 10.0) -> bool:
 LONG_REQUEST = [list(range(1 + i, 501 + i)) for i in range(48)]  # 48 prompts of 500 tokens: seconds on 2 cores
 
 
+@pytest.mark.slow
 def test_abort_cancels_the_requests_vllm_is_running(omni, reference):
     client = omni.runtime.stages[0].replicas[0].engine.client
 
@@ -272,12 +275,14 @@ def test_abort_cancels_the_requests_vllm_is_running(omni, reference):
     np.testing.assert_allclose(output.custom_output["echo"], reference([[9, 8, 7]]), atol=1e-3, rtol=0)
 
 
+@pytest.mark.slow
 def test_a_deadline_inside_the_engine_aborts_its_requests(omni):
     with pytest.raises(DeadlineExceeded, match="deadline"):
         asyncio.run(_run(omni, LONG_REQUEST, deadline_s=0.2))
     assert _engine_idle(omni), "vLLM still runs the late request's prompts"
 
 
+@pytest.mark.slow
 def test_bad_prompt_lengths_fail_the_request_only(omni):
     bad = {"tensors": {"prompt_token_ids": np.arange(5, dtype=np.int64),
                        "prompt_lengths": np.asarray([2, 2], np.int64)}}
@@ -291,6 +296,7 @@ def test_bad_prompt_lengths_fail_the_request_only(omni):
     assert omni.failure() is None
 
 
+@pytest.mark.slow
 def test_execution_plan_describes_the_engine_and_its_reservation(omni, bundle):
     native, head = omni.execution_plan["stages"]
     assert native["execution_type"] == "llm_pooling" and native["live_replicas"] == 1
@@ -307,6 +313,7 @@ def test_execution_plan_describes_the_engine_and_its_reservation(omni, bundle):
     assert omni.ledger_snapshot()["constraints"]["machine:ram"]["held"] == 3 * GiB
 
 
+@pytest.mark.slow
 def test_a_dead_engine_fails_the_stage_for_good(omni):
     client = omni.runtime.stages[0].replicas[0].engine.client
     engine_core = client.engine_core.resources.engine_manager.processes[0]
@@ -322,6 +329,7 @@ def test_a_dead_engine_fails_the_stage_for_good(omni):
     assert refused.value.retry_after is None
 
 
+@pytest.mark.slow
 def test_shutdown_stops_the_engine_and_releases_the_ledger(omni):
     engine = omni.runtime.stages[0].replicas[0].engine
     omni.shutdown()
@@ -333,6 +341,7 @@ def test_shutdown_stops_the_engine_and_releases_the_ledger(omni):
 
 # -- a refused start --------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_head_of_another_hidden_size_is_refused_and_everything_unwinds(backbone, tmp_path):
     narrow = _head_bundle(tmp_path / "narrow", backbone, np.ones((64, HEAD_OUT), np.float32), hidden=64)
     plan = _plan(narrow)
