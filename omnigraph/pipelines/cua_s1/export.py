@@ -42,6 +42,7 @@ from tokenizers import Tokenizer
 
 from omnigraph import __version__ as omnigraph_version
 from omnigraph.bundles import VerifiedBundle, pack_bundle, sha256_file, staged_bundle_dir, verify_bundle
+from omnigraph.bundles.cache import cached_folder
 from omnigraph.pipelines.cua_s1.processor import COMPONENT, INPUT_NAME, OUTPUT_NAME
 from omnigraph.pipelines.cua_s1.prompt import (
     DEFAULT_OPTION_LINE,
@@ -54,7 +55,12 @@ from omnigraph.pipelines.cua_s1.prompt import (
     letter_token_ids,
 )
 from omnigraph.pipelines.cua_s1.synth import ADAPTER_DIR, BASE_DIR, cached_checkpoint
-from omnigraph.pipelines.laya.synth import cache_root
+from omnigraph.pipelines.export import (
+    BundleValidationFailed,
+    exporter_info,
+    validate_in_onnxruntime,
+    versioned_calibration,
+)
 
 __all__ = [
     "CheckpointInvalid",
@@ -90,10 +96,6 @@ _LORA_PREFIX = "base_model.model."
 
 class CheckpointInvalid(ValueError):
     """A Cua-S1 checkpoint file is missing or inconsistent; nothing was written."""
-
-
-class BundleValidationFailed(RuntimeError):
-    """The exported head does not reproduce NumPy's letter logits; nothing was written."""
 
 
 def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: bool = False) -> VerifiedBundle:
@@ -152,7 +154,9 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
         (staging / PROMPT_TEMPLATE_FILE).write_text(template.to_json(), encoding="utf-8")
         onnx.save_model(head_graph(head), str(staging / GRAPH_FILE))
         np.savez(staging / INPUTS_FILE, **example)
-        validation = validate_head(staging / GRAPH_FILE, head, example[INPUT_NAME])
+        validation = validate_in_onnxruntime(
+            staging / GRAPH_FILE, example, {OUTPUT_NAME: reference_letter_logits(example[INPUT_NAME], head)},
+            HEAD_TOLERANCE, reference="numpy float64 hidden_states @ letter_rows.T", inputs_file=INPUTS_FILE)
         pack_bundle(
             staging,
             component=COMPONENT,
@@ -162,8 +166,11 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
                 "checkpoint_revision": checkpoint_revision(checkpoint),
                 "precision": precision,
                 "layout": layout,
-                "exporter": exporter_info(),
-                "calibration": calibration(),
+                "exporter": exporter_info("omnigraph.pipelines.cua_s1.export", EXPORTER_VERSION, OPSET,
+                                          prompt_template_format=PROMPT_TEMPLATE_FORMAT, fast=False,
+                                          weights_dtype="float32"),
+                # Cua-S1's softmax is untempered (T = 1), versioned like Laya's temperatures.
+                "calibration": versioned_calibration({"temperature": 1.0}),
                 "validation": validation,
             },
         )
@@ -328,27 +335,9 @@ def head_graph(rows: np.ndarray) -> onnx.ModelProto:
     return model
 
 
-def validate_head(graph_path: Path, rows: np.ndarray, hidden: np.ndarray) -> dict[str, Any]:
-    """Run the head in ONNX Runtime (CPU) on `hidden` and compare with float64 NumPy."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(graph_path), providers=["CPUExecutionProvider"])
-    (actual,) = session.run([OUTPUT_NAME], {INPUT_NAME: hidden})
-    expected = hidden.astype(np.float64) @ rows.astype(np.float64).T
-    diff = float(np.abs(actual - expected).max())
-    if not diff <= HEAD_TOLERANCE:
-        raise BundleValidationFailed(f"{graph_path.name}: letter_logits differ from NumPy by {diff:.3g} "
-                                     f"(tolerance {HEAD_TOLERANCE:g})")
-    return {"reference": "numpy float64 hidden_states @ letter_rows.T",
-            "runtime": f"onnxruntime {ort.__version__} CPUExecutionProvider",
-            "inputs": INPUTS_FILE, "max_abs_diff": {OUTPUT_NAME: diff}, "tolerance": {OUTPUT_NAME: HEAD_TOLERANCE}}
-
-
-def calibration() -> dict[str, Any]:
-    """metadata.calibration: Cua-S1's softmax is untempered (T = 1), versioned like Laya's."""
-    values = {"temperature": 1.0}
-    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
-    return {**values, "version": hashlib.sha256(canonical.encode()).hexdigest()}
+def reference_letter_logits(hidden: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The head in NumPy float64: what the graph must reproduce."""
+    return hidden.astype(np.float64) @ rows.astype(np.float64).T
 
 
 def checkpoint_revision(checkpoint: Path) -> str:
@@ -359,28 +348,12 @@ def checkpoint_revision(checkpoint: Path) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def exporter_info() -> dict[str, Any]:
-    import onnxruntime as ort
-
-    return {"name": "omnigraph.pipelines.cua_s1.export", "version": EXPORTER_VERSION, "omnigraph": omnigraph_version,
-            "onnx": onnx.__version__, "onnxruntime": ort.__version__, "opset": OPSET,
-            "prompt_template_format": PROMPT_TEMPLATE_FORMAT, "fast": False, "weights_dtype": "float32"}
-
-
 def cached_bundle(checkpoint: Path) -> Path:
     """The fp32 bundle of `checkpoint`, built once into the cache, keyed by the checkpoint's
     content and the exporter version."""
-    key = hashlib.sha256(json.dumps(
-        {"checkpoint": checkpoint_revision(Path(checkpoint)), "exporter": EXPORTER_VERSION, "onnx": onnx.__version__},
-        sort_keys=True).encode()).hexdigest()[:16]
-    out = cache_root() / "bundles" / f"{Path(checkpoint).name}-fp32-{key}"
-    if not out.is_dir():
-        try:
-            build_bundle(Path(checkpoint), out)
-        except FileExistsError:
-            if not out.is_dir():  # not a concurrent builder that finished first
-                raise
-    return out
+    checkpoint = Path(checkpoint)
+    key = {"checkpoint": checkpoint_revision(checkpoint), "exporter": EXPORTER_VERSION, "onnx": onnx.__version__}
+    return cached_folder("bundles", f"{checkpoint.name}-fp32", key, lambda out: build_bundle(checkpoint, out))
 
 
 def default_bundle() -> Path:

@@ -24,7 +24,6 @@ merge visibly moves the hidden states. Same size and seed give byte-identical fi
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +32,8 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from omnigraph.bundles import staged_bundle_dir
-from omnigraph.pipelines.laya.synth import cache_root
+from omnigraph.bundles.cache import cached_folder
+from omnigraph.pipelines.qwen.synth import GENERATOR_VERSION as BACKBONE_GENERATOR_VERSION
 from omnigraph.pipelines.qwen.synth import synthesize_qwen3_backbone
 
 __all__ = [
@@ -203,19 +203,11 @@ def synthesize_checkpoint(size: str, *, seed: int, out: Path) -> Path:
 def cached_checkpoint(size: str, seed: int = 0) -> Path:
     """The checkpoint for (size, seed), synthesized once under ``$OMNIGRAPH_CACHE/checkpoints``.
 
-    Keyed by a hash of (size, seed, generator version); a concurrent writer that wins the rename
-    race is used as is.
+    Keyed by (size, seed, this generator's version and the Qwen backbone generator's); a
+    concurrent writer that wins the rename race is used as is.
     """
     _size(size)
-    key = hashlib.sha256(json.dumps(
-        {"model": "cua_s1", "size": size, "seed": seed, "generator": GENERATOR_VERSION},
-        sort_keys=True).encode()).hexdigest()[:16]
-    out = cache_root() / "checkpoints" / f"cua_s1-{size}-{key}"
-    if out.is_dir():
-        return out
-    try:
-        return synthesize_checkpoint(size, seed=seed, out=out)
-    except OSError:
-        if out.is_dir():  # another process finished first
-            return out
-        raise
+    key = {"model": "cua_s1", "size": size, "seed": seed, "generator": GENERATOR_VERSION,
+           "backbone_generator": BACKBONE_GENERATOR_VERSION}
+    return cached_folder("checkpoints", f"cua_s1-{size}", key,
+                         lambda out: synthesize_checkpoint(size, seed=seed, out=out))

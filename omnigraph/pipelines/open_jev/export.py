@@ -39,7 +39,13 @@ from safetensors.numpy import load_file
 
 from omnigraph import __version__ as omnigraph_version
 from omnigraph.bundles import VerifiedBundle, pack_bundle, sha256_file, staged_bundle_dir, verify_bundle
-from omnigraph.pipelines.laya.synth import cache_root
+from omnigraph.bundles.cache import cached_folder
+from omnigraph.pipelines.export import (
+    BundleValidationFailed,
+    exporter_info,
+    validate_in_onnxruntime,
+    versioned_calibration,
+)
 from omnigraph.pipelines.open_jev.processor import COMPONENT, HEAD_OUTPUT, PROMPT_TEMPLATE_FILE
 from omnigraph.pipelines.open_jev.prompt import DEFAULT_PROMPT_TEMPLATE, PromptTemplate
 from omnigraph.pipelines.open_jev.synth import BACKBONE_DIR, HEAD_FILE, TEMPERATURE_FILE, cached_checkpoint
@@ -64,10 +70,6 @@ SCORE_TOLERANCE = 1e-9
 
 class CheckpointInvalid(ValueError):
     """The checkpoint folder is not an Open-Jev checkpoint; the message names the file."""
-
-
-class BundleValidationFailed(RuntimeError):
-    """The head graph does not reproduce NumPy's float64 scores; nothing was written."""
 
 
 def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: bool = False) -> VerifiedBundle:
@@ -105,7 +107,9 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
         onnx.save_model(head_graph(head_w, b), str(staging / GRAPH_FILE))
         np.savez(staging / INPUTS_FILE, **inputs)
         (staging / PROMPT_TEMPLATE_FILE).write_text(template.to_json(), encoding="utf-8")
-        validation = validate_head(staging / GRAPH_FILE, inputs, head_w, b)
+        validation = validate_in_onnxruntime(
+            staging / GRAPH_FILE, inputs, {HEAD_OUTPUT: reference_scores(inputs[HEAD_INPUT], head_w, b)},
+            SCORE_TOLERANCE, reference="numpy float64: hidden_states @ head_w + b", inputs_file=INPUTS_FILE)
         pack_bundle(
             staging,
             component=COMPONENT,
@@ -115,8 +119,9 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
                 "checkpoint_revision": revision,
                 "precision": precision,
                 "layout": bundle_layout(hidden_size, min(MAX_MODEL_LEN, positions)),
-                "exporter": exporter_info(),
-                "calibration": calibration(temperature),
+                "exporter": exporter_info("omnigraph.pipelines.open_jev.export", EXPORTER_VERSION, OPSET,
+                                          fast=False, weights_dtype="float32", compute_dtype="float64"),
+                "calibration": versioned_calibration({"temperature": temperature}),
                 "validation": validation,
             },
         )
@@ -124,18 +129,12 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
 
 
 def cached_bundle(checkpoint: Path) -> Path:
-    """The bundle of `checkpoint`, built once into the cache (keyed by folder and exporter version)."""
-    key = hashlib.sha256(json.dumps(
-        {"checkpoint": str(Path(checkpoint).resolve()), "exporter": EXPORTER_VERSION, "onnx": onnx.__version__},
-        sort_keys=True).encode()).hexdigest()[:16]
-    out = cache_root() / "bundles" / f"{Path(checkpoint).name}-fp32-{key}"
-    if not out.is_dir():
-        try:
-            build_bundle(Path(checkpoint), out)
-        except FileExistsError:
-            if not out.is_dir():  # not a concurrent builder that finished first
-                raise
-    return out
+    """The bundle of `checkpoint`, built once into the cache, keyed by the checkpoint's content
+    and the exporter version."""
+    checkpoint = Path(checkpoint)
+    revision = checkpoint_revision(checkpoint, _backbone_files(checkpoint))
+    key = {"checkpoint": revision, "exporter": EXPORTER_VERSION, "onnx": onnx.__version__}
+    return cached_folder("bundles", f"{checkpoint.name}-fp32", key, lambda out: build_bundle(checkpoint, out))
 
 
 def default_bundle() -> Path:
@@ -229,30 +228,6 @@ def reference_scores(hidden_states: np.ndarray, head_w: np.ndarray, b: np.ndarra
     return hidden_states.astype(np.float64) @ head_w.astype(np.float64) + np.float64(b)
 
 
-def validate_head(graph_path: Path, inputs: dict[str, np.ndarray], head_w: np.ndarray,
-                  b: np.ndarray) -> dict[str, Any]:
-    """Run the graph in ONNX Runtime (CPU) and compare with NumPy float64; refuse a mismatch."""
-    import onnxruntime as ort
-
-    session = ort.InferenceSession(str(graph_path), providers=["CPUExecutionProvider"])
-    (actual,) = session.run([HEAD_OUTPUT], {HEAD_INPUT: inputs[HEAD_INPUT]})
-    expected = reference_scores(inputs[HEAD_INPUT], head_w, b)
-    if actual.dtype != np.float64 or actual.shape != expected.shape:
-        raise BundleValidationFailed(f"{graph_path.name}: scores are {actual.dtype} {actual.shape}, "
-                                     f"expected float64 {expected.shape}")
-    diff = float(np.abs(actual - expected).max())
-    if not diff <= SCORE_TOLERANCE:
-        raise BundleValidationFailed(f"{graph_path.name}: scores differ from NumPy float64 by {diff:.3g} "
-                                     f"(tolerance {SCORE_TOLERANCE:g})")
-    return {
-        "reference": "numpy float64: hidden_states @ head_w + b",
-        "runtime": f"onnxruntime {ort.__version__} CPUExecutionProvider",
-        "inputs": INPUTS_FILE,
-        "max_abs_diff": {HEAD_OUTPUT: diff},
-        "tolerance": {HEAD_OUTPUT: SCORE_TOLERANCE},
-    }
-
-
 def bundle_layout(hidden_size: int, max_model_len: int) -> dict[str, Any]:
     """metadata.layout: where the backbone is, its limits, and the head graph's I/O."""
     return {
@@ -266,12 +241,6 @@ def bundle_layout(hidden_size: int, max_model_len: int) -> dict[str, Any]:
     }
 
 
-def calibration(temperature: float) -> dict[str, Any]:
-    """metadata.calibration: the temperature and a version naming it."""
-    canonical = json.dumps({"temperature": temperature}, sort_keys=True, separators=(",", ":"))
-    return {"temperature": temperature, "version": hashlib.sha256(canonical.encode()).hexdigest()}
-
-
 def checkpoint_revision(checkpoint: Path, backbone_files: list[str]) -> str:
     """sha256 over the checkpoint's files (names and contents), the template included when present."""
     members = [f"{BACKBONE_DIR}/{name}" for name in backbone_files] + [HEAD_FILE, TEMPERATURE_FILE]
@@ -281,19 +250,3 @@ def checkpoint_revision(checkpoint: Path, backbone_files: list[str]) -> str:
     for name in members:
         digest.update(f"{name}\0{sha256_file(checkpoint / name)}\n".encode())
     return f"sha256:{digest.hexdigest()}"
-
-
-def exporter_info() -> dict[str, Any]:
-    import onnxruntime as ort
-
-    return {
-        "name": "omnigraph.pipelines.open_jev.export",
-        "version": EXPORTER_VERSION,
-        "omnigraph": omnigraph_version,
-        "onnx": onnx.__version__,
-        "onnxruntime": ort.__version__,
-        "opset": OPSET,
-        "fast": False,
-        "weights_dtype": "float32",
-        "compute_dtype": "float64",
-    }

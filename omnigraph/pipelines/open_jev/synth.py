@@ -30,7 +30,6 @@ machine's last bits). Same size and seed give byte-identical files.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,9 +38,10 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from omnigraph.bundles import staged_bundle_dir
-from omnigraph.pipelines.laya.synth import cache_root
+from omnigraph.bundles.cache import cached_folder
 from omnigraph.pipelines.open_jev.processor import WARMUP_REQUEST
 from omnigraph.pipelines.open_jev.prompt import DEFAULT_PROMPT_TEMPLATE, content_text, question_prompts
+from omnigraph.pipelines.qwen.synth import GENERATOR_VERSION as BACKBONE_GENERATOR_VERSION
 from omnigraph.pipelines.qwen.synth import synthesize_qwen3_backbone
 
 __all__ = [
@@ -149,19 +149,11 @@ def synthesize_checkpoint(size: str, *, seed: int, out: Path) -> Path:
 def cached_checkpoint(size: str, seed: int = 0) -> Path:
     """The checkpoint for (size, seed), synthesized once under ``$OMNIGRAPH_CACHE/checkpoints``.
 
-    Keyed by a hash of (size, seed, generator version); a concurrent writer that wins the rename
-    race is used as is.
+    Keyed by (size, seed, this generator's version and the Qwen backbone generator's); a
+    concurrent writer that wins the rename race is used as is.
     """
     _size(size)
-    key = hashlib.sha256(json.dumps(
-        {"model": "open_jev", "size": size, "seed": seed, "generator": GENERATOR_VERSION},
-        sort_keys=True).encode()).hexdigest()[:16]
-    out = cache_root() / "checkpoints" / f"open_jev-{size}-{key}"
-    if out.is_dir():
-        return out
-    try:
-        return synthesize_checkpoint(size, seed=seed, out=out)
-    except FileExistsError:
-        if out.is_dir():  # another process finished first
-            return out
-        raise
+    key = {"model": "open_jev", "size": size, "seed": seed, "generator": GENERATOR_VERSION,
+           "backbone_generator": BACKBONE_GENERATOR_VERSION}
+    return cached_folder("checkpoints", f"open_jev-{size}", key,
+                         lambda out: synthesize_checkpoint(size, seed=seed, out=out))

@@ -1,0 +1,61 @@
+"""Build-once folders under `$OMNIGRAPH_CACHE`: synthetic checkpoints and built bundles.
+
+Every model folder caches the same way (DESIGN.md "Caches"): a folder is named by what built it
+(`<kind>/<name>-<hash of key>`), written by its builder into a staged folder renamed onto the
+name (`staged_bundle_dir`), and never modified after, so a finished folder is complete and a
+second caller reuses it. Two processes that build the same folder at once both finish: the
+loser's rename fails and it uses the winner's folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CACHE_ENV", "cache_key", "cache_root", "cached_folder"]
+
+CACHE_ENV = "OMNIGRAPH_CACHE"
+# Hex digits of the key's sha256 in a folder name: 64 bits, plenty for one machine's cache.
+KEY_DIGITS = 16
+
+
+def cache_root() -> Path:
+    """`$OMNIGRAPH_CACHE`, or `~/.cache/omnigraph`."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "omnigraph")
+
+
+def cache_key(key: Mapping[str, Any]) -> str:
+    """The first `KEY_DIGITS` hex digits of the sha256 of `key` as canonical JSON (sorted keys)."""
+    try:
+        canonical = json.dumps(dict(key), sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"a cache key must be JSON of plain values, got {key!r}: {exc}") from None
+    return hashlib.sha256(canonical.encode()).hexdigest()[:KEY_DIGITS]
+
+
+def cached_folder(kind: str, name: str, key: Mapping[str, Any], build: Callable[[Path], object]) -> Path:
+    """`$OMNIGRAPH_CACHE/<kind>/<name>-<cache_key(key)>`, built by `build(out)` the first time.
+
+    `key` must hold everything the folder's bytes depend on (inputs, generator or exporter
+    versions), since a folder with that name is reused as it is. `build` writes the new folder
+    `out` atomically (through `staged_bundle_dir`), refusing an existing one; when it fails
+    because another process finished the same folder first, that folder is returned.
+    """
+    for what, value in (("kind", kind), ("name", name)):
+        if not isinstance(value, str) or not value or "/" in value or os.sep in value or value in (".", ".."):
+            raise ValueError(f"cache {what} must name one folder (no path separators), got {value!r}")
+    out = cache_root() / kind / f"{name}-{cache_key(key)}"
+    if out.is_dir():
+        return out
+    try:
+        build(out)
+    except OSError:
+        # A concurrent builder's rename onto `out` makes ours fail (FileExistsError, or ENOTEMPTY
+        # when both rename at once); anything else is a real failure.
+        if not out.is_dir():
+            raise
+    return out
