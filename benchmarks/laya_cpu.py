@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     session = ort.InferenceSession(str(verified.graph_path), providers=["CPUExecutionProvider"])
     identity = {
         "cpu": harness._device_name("cpu"), "cores": os.cpu_count(), "checkpoint": f"synthetic {args.size} seed {args.seed}",
-        "versions": harness._versions(), "load_average": os.getloadavg()[0],
+        "versions": harness._versions(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["benchmarks/laya_cpu.py", *(argv if argv is not None else sys.argv[1:])]),
         "python": platform.python_version(),
@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     rate = matmul_rate()
     rows.append({"case": "onnxruntime MatMul", "metric": "float32_gmac_per_s", "value": round(rate / 1e9, 2),
-                 "unit": "GMAC/s", "shape": list(PEAK_MATMUL_SHAPE), "tokens": PEAK_MATMUL_SHAPE[0], **identity})
+                 "unit": "GMAC/s", "shape": list(PEAK_MATMUL_SHAPE), "tokens": PEAK_MATMUL_SHAPE[0],
+                 "load_average": os.getloadavg()[0], **identity})
     with Omni(model="laya", bundle=bundle) as omni:
         for requests in lengths:
             state, questions = requests.timed["state"], requests.timed["questions"]
@@ -187,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                                       "omnigraph": omnigraph_call,
                                       "omnigraph graph": lambda: session.run(None, tensors)},
                                      args.requests, args.warmup)
+            # The machine's 1-minute load average as this length's timing ends (other processes'
+            # load lands on every case alike, but slows torch's thread team more than ORT's).
+            load = {"load_average": os.getloadavg()[0]}
             reference, ours = agent.system_one(state, questions), omnigraph_call()
             same = reference["answers"] == ours["answers"]
             medians = {}
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 for metric, value in (("p50_ms", medians[engine]), ("p99_ms", harness.percentile(values, 99) * 1000)):
                     rows.append({"case": engine, "metric": metric, "value": round(value, 3), "unit": "ms",
                                  "length": requests.length, "tokens": requests.tokens,
-                                 "requests": len(values), **identity})
+                                 "requests": len(values), **load, **identity})
             macs = graph_macs(config, length, markers=2)
             rows.append({"case": "omnigraph graph", "metric": "graph_gmac", "value": round(macs / 1e9, 3),
                          "unit": "GMAC", "length": requests.length, "tokens": requests.tokens, **identity})
@@ -205,12 +209,14 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"case": "omnigraph vs laya", "metric": "speedup_p50", "unit": "x",
                          "value": round(medians["laya"] / medians["omnigraph"], 3), "goal": TARGET_SPEEDUP,
                          "status": "met" if medians["laya"] / medians["omnigraph"] >= TARGET_SPEEDUP else "missed",
-                         "answers_equal": same, "length": requests.length, "tokens": requests.tokens, **identity})
+                         "answers_equal": same, "length": requests.length, "tokens": requests.tokens, **load,
+                         **identity})
 
-    print(f"{'case':<20} {'metric':<18} {'tokens':>6} {'value':>10}  unit    status")
+    print(f"{'case':<20} {'metric':<18} {'tokens':>6} {'value':>10}  unit    load    status")
     for row in rows:
         print(f"{row['case']:<20} {row['metric']:<18} {row['tokens']:>6} {row['value']:>10}  {row['unit']:<6}  "
-              f"{row.get('status', '')}{'' if row.get('answers_equal', True) else '  ANSWERS DIFFER'}")
+              f"{row.get('load_average', ''):<6.4}  {row.get('status', '')}"
+              f"{'' if row.get('answers_equal', True) else '  ANSWERS DIFFER'}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
