@@ -336,6 +336,22 @@ def test_fused_encoder_matches_the_traced_export_at_every_window_shape(tiny_trac
         np.testing.assert_allclose(actual, expected, rtol=0, atol=1e-5)
 
 
+def test_the_fused_graph_takes_rows_up_to_its_max_len(tiny_traced):
+    """The RoPE tables hold max_len positions (the layout's limit, which the processor enforces);
+    a longer row is refused by ONNX Runtime rather than rotated with positions it has no table for."""
+    module, traced = tiny_traced
+    session = ort.InferenceSession(substitute_encoder(traced, module, max_len=16).SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+
+    def row(length: int) -> dict[str, np.ndarray]:
+        return {"input_ids": np.full((1, length), 5, dtype=np.int64), "attention_mask": np.ones((1, length), np.int64),
+                "marker_pos": np.array([[1]]), "marker_mask": np.array([[True]]), "qtype": np.array([0])}
+
+    assert np.isfinite(session.run(["logits"], row(16))[0]).all()
+    with pytest.raises(Exception, match="RotaryEmbedding"):
+        session.run(["logits"], row(17))
+
+
 def test_encoder_substitution_refuses_what_it_cannot_rewrite(tiny_traced):
     module, traced = tiny_traced
     with pytest.raises(ValueError, match="max_len must be at least 1, got 0"):
