@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from omnigraph.pipelines.cua_s1.prompt import LETTERS, ChatPrompter, PromptTemplate, letter_token_ids
 from omnigraph.pipelines.cua_s1.request import CUA_S1_LIMITS, ChoiceQuestion, ChoiceRequest, parse_choice_request
-from omnigraph.pipelines.laya.decoding import _entropy_confidence, softmax
+from omnigraph.pipelines.decoding import choice_answer, softmax, to_option_order
 from omnigraph.pipelines.laya.request import RequestLimits
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestTooLarge
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle
 
 __all__ = ["COMPONENT", "INPUT_NAME", "OUTPUT_NAME", "DEFAULT_MODEL_NAME", "WARMUP_REQUEST", "CuaS1Context",
-           "CuaS1Processor", "choice_answer"]
+           "CuaS1Processor", "letter_answer"]
 
 #: The bundle component this processor feeds, and its head's input and output.
 COMPONENT = "cua_s1.head"
@@ -37,7 +37,6 @@ OUTPUT_NAME = "letter_logits"
 
 #: The response's ``model`` when the request names none.
 DEFAULT_MODEL_NAME = "cua_s1"
-_DECIMALS = 4
 # What the processor reads from the manifest's layout.
 _LAYOUT_KEYS = ("backbone_dir", "max_model_len", "letter_token_ids", "prompt_template_file", "head_outputs")
 
@@ -60,19 +59,11 @@ class CuaS1Context:
     prompt_tokens: tuple[int, ...]   # one per question (= work item), in request order
 
 
-def choice_answer(question: ChoiceQuestion, logits: np.ndarray, temperature: float) -> dict[str, Any]:
+def letter_answer(question: ChoiceQuestion, logits: np.ndarray, temperature: float) -> dict[str, Any]:
     """The answer from the letter logits of one prompt (slot order, at least n of them)."""
-    n = len(question.keys)
-    p = np.empty(n, dtype=np.float32)
-    p[list(question.slot_order)] = softmax(np.asarray(logits, dtype=np.float32)[:n] / np.float32(temperature))
-    best = int(p.argmax())  # the first of equal maxima
-    return {
-        "type": "choice",
-        "choice": question.keys[best],
-        "probabilities": {key: round(float(v), _DECIMALS) for key, v in zip(question.keys, p)},
-        "confidence": round(_entropy_confidence(p, n), _DECIMALS),
-        "answer_confidence": round(min(1.0, max(0.0, float(p[best]))), _DECIMALS),
-    }
+    slot_logits = np.asarray(logits, dtype=np.float32)[:len(question.keys)]
+    p = to_option_order(softmax(slot_logits / np.float32(temperature)), question.slot_order)
+    return choice_answer(question.keys, p)
 
 
 def _checked_layout(bundle: VerifiedBundle) -> Mapping[str, Any]:
@@ -162,7 +153,7 @@ class CuaS1Processor:
             if logits.shape != (1, len(LETTERS)):
                 raise ProcessorOutputInvalid(f"output {item} {OUTPUT_NAME!r} has shape {logits.shape}, "
                                              f"expected (1, {len(LETTERS)})")
-            answers[question.qid] = choice_answer(question, logits[0], self._temperature)
+            answers[question.qid] = letter_answer(question, logits[0], self._temperature)
         return {
             "model": context.request.model or DEFAULT_MODEL_NAME,
             "answers": answers,

@@ -3,10 +3,9 @@
 The head scores every prompt on its own (``head_w . h + b``, float64); only here are a question's
 scores brought together, and only that question's: ``p = softmax((v - max(v)) / T)`` over its
 complete candidate set with the checkpoint's temperature T, where a noul question's single score
-``s`` becomes the two logits ``[0, s]`` (false, true). Ties go to the first candidate;
-``confidence = 1 - H / ln k`` (noul: ``max(p_true, 1 - p_true)``), ``answer_confidence = max(p)``,
-``score = sum(i * p_i)``; values are rounded to 4 decimals as Laya's are. Open-Jev has no action
-head, so its answers carry no ``action``.
+``s`` becomes the two logits ``[0, s]`` (false, true). The answer is then the Decision API's
+(``omnigraph.pipelines.decoding``: ties to the first candidate, entropy confidence, 4 decimals).
+Open-Jev has no action head, so its answers carry no ``action``.
 """
 
 from __future__ import annotations
@@ -17,12 +16,10 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from omnigraph.pipelines.laya.decoding import _entropy_confidence, softmax
+from omnigraph.pipelines.decoding import question_answer, softmax
 from omnigraph.pipelines.laya.request import Question
 
 __all__ = ["Calibration", "decode_answer", "question_probabilities"]
-
-_DECIMALS = 4
 
 
 @dataclass(frozen=True)
@@ -56,31 +53,4 @@ def question_probabilities(qtype: str, scores: np.ndarray, temperature: float) -
 
 def decode_answer(question: Question, scores: np.ndarray, calibration: Calibration) -> dict[str, Any]:
     """The answer to ``question`` from its candidates' scores (its noul score), in answer order."""
-    p = question_probabilities(question.qtype, scores, calibration.temperature)
-    answer_confidence = round(float(p.max()), _DECIMALS)
-    if question.qtype == "noul":
-        p_true = float(p[1])
-        return {
-            "type": "noul",
-            "noul": round(p_true, _DECIMALS),
-            "confidence": round(max(p_true, 1.0 - p_true), _DECIMALS),
-            "answer_confidence": answer_confidence,
-        }
-    k = len(p)
-    confidence = round(_entropy_confidence(p, k), _DECIMALS)
-    if question.qtype == "choice":
-        return {
-            "type": "choice",
-            "choice": question.keys[int(p.argmax())],
-            "probabilities": {key: round(float(v), _DECIMALS) for key, v in zip(question.keys, p)},
-            "confidence": confidence,
-            "answer_confidence": answer_confidence,
-        }
-    return {
-        "type": "score",
-        "score": round(float((np.arange(k) * p).sum()), _DECIMALS),
-        "legend": {str(i): text for i, text in enumerate(question.legend)},
-        "probabilities": {str(i): round(float(v), _DECIMALS) for i, v in enumerate(p)},
-        "confidence": confidence,
-        "answer_confidence": answer_confidence,
-    }
+    return question_answer(question, question_probabilities(question.qtype, scores, calibration.temperature))
