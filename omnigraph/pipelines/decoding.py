@@ -6,7 +6,8 @@ Decision API's, computed as ``laya.agent.Agent._decode_answers`` computes it: ti
 option, ``confidence = 1 - H / ln k`` (noul: ``max(p_true, 1 - p_true)``),
 ``answer_confidence = max(p)``, ``score = sum(i * p_i)``, every value rounded to 4 decimals.
 Arithmetic stays in the probabilities' own dtype (Laya's float32, Open-Jev's float64), so each
-model rounds to the same digits as its reference.
+model rounds to the same digits as its reference. ``decision_response`` puts a request's answers
+into the Decision API's response.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = [
     "DECIMALS",
     "AnsweredQuestion",
     "choice_answer",
+    "decision_response",
     "entropy_confidence",
     "noul_answer",
     "question_answer",
@@ -111,3 +113,15 @@ def question_answer(question: AnsweredQuestion, p: np.ndarray) -> dict[str, Any]
     if question.qtype == "noul":
         return noul_answer(p)
     raise ValueError(f"unknown question type {question.qtype!r}; expected choice, score or noul")
+
+
+def decision_response(model: str, qids: Sequence[str | int], answers: Sequence[dict[str, Any]],
+                      input_tokens: Sequence[int]) -> dict[str, Any]:
+    """The Decision API's response: each question's answer, usage counting prompt tokens only (a
+    decision generates none), and each question's input tokens in the response's audit."""
+    return {
+        "model": model,
+        "answers": dict(zip(qids, answers, strict=True)),
+        "usage": {"input_tokens": sum(input_tokens), "output_tokens": 0},
+        "audit": {"input_tokens": dict(zip(qids, input_tokens, strict=True))},
+    }

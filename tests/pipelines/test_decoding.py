@@ -15,6 +15,7 @@ import pytest
 
 from omnigraph.pipelines.decoding import (
     choice_answer,
+    decision_response,
     entropy_confidence,
     noul_answer,
     question_answer,
@@ -86,3 +87,15 @@ def test_question_answer_dispatches_on_the_question_type():
     assert question_answer(Q("noul"), p) == noul_answer(p)
     with pytest.raises(ValueError, match="unknown question type 'rank'"):
         question_answer(Q("rank"), p)
+
+
+def test_the_response_counts_prompt_tokens_only_and_audits_them_per_question():
+    answers = [noul_answer(np.array([0.5, 0.5])), choice_answer(("x", "y"), np.array([0.9, 0.1]))]
+    assert decision_response("demo", ["first", 7], answers, [12, 30]) == {
+        "model": "demo",
+        "answers": {"first": answers[0], 7: answers[1]},
+        "usage": {"input_tokens": 42, "output_tokens": 0},
+        "audit": {"input_tokens": {"first": 12, 7: 30}},
+    }
+    with pytest.raises(ValueError):
+        decision_response("demo", ["first", 7], answers[:1], [12, 30])

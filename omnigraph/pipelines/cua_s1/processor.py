@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 
 from omnigraph.pipelines.cua_s1.prompt import LETTERS, ChatPrompter, PromptTemplate, letter_token_ids
 from omnigraph.pipelines.cua_s1.request import CUA_S1_LIMITS, ChoiceQuestion, ChoiceRequest, parse_choice_request
-from omnigraph.pipelines.decoding import choice_answer, softmax, to_option_order
+from omnigraph.pipelines.decoding import choice_answer, decision_response, softmax, to_option_order
 from omnigraph.pipelines.laya.request import RequestLimits
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestTooLarge
 
@@ -145,7 +145,7 @@ class CuaS1Processor:
             raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per question), "
                                          f"got {len(outputs)}")
         questions = context.request.questions
-        answers = {}
+        answers = []
         for item, (question, output) in enumerate(zip(questions, outputs)):
             if OUTPUT_NAME not in output:
                 raise ProcessorOutputInvalid(f"output {item} has no {OUTPUT_NAME!r} (got {sorted(output)})")
@@ -153,13 +153,9 @@ class CuaS1Processor:
             if logits.shape != (1, len(LETTERS)):
                 raise ProcessorOutputInvalid(f"output {item} {OUTPUT_NAME!r} has shape {logits.shape}, "
                                              f"expected (1, {len(LETTERS)})")
-            answers[question.qid] = letter_answer(question, logits[0], self._temperature)
-        return {
-            "model": context.request.model or DEFAULT_MODEL_NAME,
-            "answers": answers,
-            "usage": {"input_tokens": sum(context.prompt_tokens), "output_tokens": 0},
-            "audit": {"input_tokens": {q.qid: n for q, n in zip(questions, context.prompt_tokens)}},
-        }
+            answers.append(letter_answer(question, logits[0], self._temperature))
+        return decision_response(context.request.model or DEFAULT_MODEL_NAME, [q.qid for q in questions], answers,
+                                 context.prompt_tokens)
 
     def warmup_request(self) -> dict:
         """A three-option sign-up decision (a fresh copy each time)."""

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 from omnigraph.pipelines.laya.request import (
     NOUL_DEFAULT_TEXTS, DecisionRequest, Question, RequestLimits, parse_request,
 )
+from omnigraph.pipelines.decoding import decision_response
 from omnigraph.pipelines.open_jev.decoding import Calibration, decode_answer
 from omnigraph.pipelines.open_jev.prompt import PromptTemplate, content_text, question_prompts
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid, RequestTooLarge
@@ -193,16 +194,10 @@ class OpenJevProcessor:
             raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per question), "
                                          f"got {len(outputs)}")
         questions = context.request.questions
-        answers = {}
-        for item, (question, output, count) in enumerate(zip(questions, outputs, context.prompt_counts)):
-            answers[question.qid] = decode_answer(question, self._checked_scores(item, output, count),
-                                                  self._calibration)
-        return {
-            "model": context.request.model or DEFAULT_MODEL_NAME,
-            "answers": answers,
-            "usage": {"input_tokens": sum(context.prompt_tokens), "output_tokens": 0},
-            "audit": {"input_tokens": {q.qid: n for q, n in zip(questions, context.prompt_tokens)}},
-        }
+        answers = [decode_answer(question, self._checked_scores(item, output, count), self._calibration)
+                   for item, (question, output, count) in enumerate(zip(questions, outputs, context.prompt_counts))]
+        return decision_response(context.request.model or DEFAULT_MODEL_NAME, [q.qid for q in questions], answers,
+                                 context.prompt_tokens)
 
     @staticmethod
     def _checked_scores(item: int, output: Mapping[str, np.ndarray], count: int) -> np.ndarray:
