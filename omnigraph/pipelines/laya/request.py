@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from omnigraph.pipelines.processor import RequestInvalid, RequestTooLarge
 

@@ -183,11 +183,11 @@ def build_row(tok: LayaTokenizer, question: Question, state_ids: Sequence[int], 
     head = tok.encode_head(f"{question.qtype} question: {question.instructions}")
     slots = [question.options[i] for i in question.slot_order]
     options = [(tok.mask_id, *ids) for ids in tok.encode_options(slots)]
-    budget = head_max_len - sum(len(o) for o in options)
+    budget = head_max_len - sum(map(len, options))
     if budget < _MIN_INSTRUCTION_BUDGET:
         per_option = max(_MIN_OPTION_TOKENS, (head_max_len - _MIN_INSTRUCTION_BUDGET) // len(options))
         options = [o[:per_option] for o in options]
-        budget = head_max_len - sum(len(o) for o in options)
+        budget = head_max_len - sum(map(len, options))
     ids = [tok.cls_id, *head[:max(_MIN_INSTRUCTION_TOKENS, budget)], tok.sep_id]
     markers = []
     for option in options:
@@ -196,8 +196,9 @@ def build_row(tok: LayaTokenizer, question: Question, state_ids: Sequence[int], 
     ids.append(tok.sep_id)
     room = max(0, max_len - len(ids) - 1)
     state = state_ids[max(0, len(state_ids) - room):] if truncate_left else state_ids[:room]
-    ids = [*ids, *state, tok.sep_id][:max_len]
-    return Row(ids=tuple(ids), markers=tuple(m for m in markers if m < max_len),
+    ids.extend(state)
+    ids.append(tok.sep_id)
+    return Row(ids=tuple(ids[:max_len]), markers=tuple(m for m in markers if m < max_len),
                qtype=QUESTION_TYPES[question.qtype])
 
 
