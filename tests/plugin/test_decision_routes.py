@@ -139,6 +139,8 @@ def test_metrics_count_requests_by_route_and_status(demo_server):
     assert 'omnigraph_stage_duration_seconds_count{stage="0"}' in text
     assert "omnigraph_queue_depth " in text
     assert "omnigraph_ledger_reservations 1.0" in text  # the one graph worker's reservation
+    assert 'omnigraph_batch_requests_count{stage="0"}' in text  # the batcher's histograms, per stage
+    assert 'omnigraph_batch_padding_efficiency{stage="0"}' in text
 
 
 def test_health_and_ready_of_a_started_server(demo_server):

@@ -54,7 +54,8 @@ def attach_service(state: Any, service: DecisionService, *, max_body_bytes: int 
     """Put on `state` (an app's, or vLLM's) what the routes read: the service, its metrics, the
     body cap and the start time."""
     state.service = service
-    state.metrics = ServerMetrics(service.queue_depth, service.ledger_snapshot, registry=registry)
+    state.metrics = ServerMetrics(service.queue_depth, service.ledger_snapshot, registry=registry,
+                                  batch_stats=service.batch_stats)
     state.max_body_bytes = max_body_bytes
     state.started_at = int(time.time())
 

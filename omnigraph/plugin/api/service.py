@@ -144,6 +144,13 @@ class DecisionService:
     def ledger_snapshot(self) -> Mapping[str, Any] | None:
         return None if self.engine is None else self.engine.ledger_snapshot()
 
+    def batch_stats(self) -> dict[int, Mapping[str, Any]] | None:
+        """Each batching stage's statistics by stage id (None before start)."""
+        if self.engine is None:
+            return None
+        return {stage["stage_id"]: stage["batching"]["stats"]
+                for stage in self.engine.execution_plan["stages"] if "stats" in stage.get("batching", {})}
+
     # -- requests ------------------------------------------------------------------------------
 
     def check_available(self) -> None:
