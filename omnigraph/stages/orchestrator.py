@@ -29,6 +29,7 @@ from omnigraph.stages.errors import (
     ResourceUnavailable,
     StageUnavailable,
 )
+from omnigraph.stages.native_client import NativeStage
 from omnigraph.stages.runtime import GraphStage, StageRuntime
 from omnigraph.stages.tensors import check_tensors
 
@@ -166,7 +167,7 @@ class Orchestrator:
         self.runtime = runtime
         self.processor = processor
         self.max_queued_requests = max_queued_requests
-        self._chain: list[GraphStage] = runtime.ordered_stages
+        self._chain: list[GraphStage | NativeStage] = runtime.ordered_stages
         self._active: dict[str, RequestState] = {}
         for stage in self._chain:  # a free replica waits for batch-mates only while others are admitted
             if isinstance(stage, GraphStage):
