@@ -8,25 +8,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import numpy as np
 import pytest
 
+from ..serving import free_port, running_server
 from .conftest import reference_letter_probabilities
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 pytest.importorskip("vllm")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
-
-STARTUP_TIMEOUT_S = 600
 
 REQUEST = {
     "model": "cua_s1",
@@ -41,37 +34,11 @@ REQUEST = {
 
 @pytest.fixture(scope="module")
 def server(cua_bundle, tmp_path_factory):
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    log_path = tmp_path_factory.mktemp("cua-serve") / "server.log"
-    with log_path.open("w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "omnigraph.plugin.cli", "serve", "cua_s1",
-                                    "--bundle", str(cua_bundle.root), "--port", str(port)],
-                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not become ready; log {log_path}")
-            time.sleep(0.2)
+    port = free_port()
+    with running_server(["-m", "omnigraph.plugin.cli", "serve", "cua_s1", "--bundle", str(cua_bundle.root),
+                         "--port", str(port)], port=port, ready_path="/ready",
+                        log_path=tmp_path_factory.mktemp("cua-serve") / "server.log") as url:
         yield url
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
 
 
 def _post(url: str, body: dict) -> httpx.Response:

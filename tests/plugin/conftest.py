@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -14,29 +13,20 @@ from typing import Callable, Iterator
 import httpx
 import pytest
 
-STARTUP_TIMEOUT_S = 600  # the first start builds the demo bundle into the cache
+from .. import serving
+from ..serving import STARTUP_TIMEOUT_S, free_port
 
 REFUND_REQUEST = {"state": "Please refund the duplicate charge.",
                   "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class ServerProcess:
-    """One `omnigraph serve` subprocess; `url` is its base URL."""
+class ServerProcess(serving.ServerProcess):
+    """One `omnigraph serve` subprocess on a free port, with ways to reach its graph workers."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log
-        self._log_file = log.open("w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "omnigraph.plugin.cli", "serve", *args, "--port", str(self.port)],
-            env={**os.environ, **env}, stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        port = free_port()
+        super().__init__(["-m", "omnigraph.plugin.cli", "serve", *args, "--port", str(port)], port=port, log=log,
+                         env=env)
 
     def wait_listening(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -50,19 +40,6 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server did not listen; log {self.log}")
             time.sleep(0.02)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        self.wait_listening()
-        while httpx.get(f"{self.url}/ready", timeout=10).status_code != 200:
-            self.check_alive()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server did not become ready; log {self.log}")
-            time.sleep(0.1)
-
-    def check_alive(self) -> None:
-        if self.process.poll() is not None:
-            raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log.read_text()[-3000:]}")
 
     def worker_pids(self) -> list[int]:
         """The graph worker processes this server started (its descendants running the worker module)."""
@@ -104,13 +81,7 @@ class ServerProcess:
         if self.process.poll() is None:
             for pid in self.worker_pids():  # a stopped worker must be able to die
                 os.kill(pid, signal.SIGCONT)
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self._log_file.close()
+        super().stop()
 
 
 @pytest.fixture
