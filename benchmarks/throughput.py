@@ -10,7 +10,8 @@ whole host path, prepare -> admission -> batch -> finish -> response; the worker
 process).
 
 Cases:
-  omnigraph batching off   one deploy plan, `batching: {max_batch_rows: 1}` (every request alone).
+  omnigraph batching off   one deploy plan (`--replicas` worker replicas, default 1),
+                           `batching: {max_batch_rows: 1}` (every request alone).
   omnigraph batching on    the same plan, `batching: {max_batch_rows: --max-batch-rows}` (and
                            `batch_wait_us: --batch-wait-us` when given; else the stage default).
   laya-cuda BatchEngine    `laya_cuda.batching.BatchEngine(DIR, max_batch_size=--max-batch-rows)`
@@ -168,7 +169,8 @@ class Run:
 
 
 def omnigraph_plan(args: argparse.Namespace, bundle: Path, max_batch_rows: int) -> Any:
-    """laya_gpu.py's one-stage plan for the device (CUDA graphs on CUDA), with this batching."""
+    """laya_gpu.py's one-stage plan for the device (CUDA graphs on CUDA), with this batching and
+    `--replicas` worker replicas."""
     from omnigraph.pipelines.deploy import validate_deploy_config
 
     case = "ort-fast-graph" if args.device == "cuda" else "ort-fp32"
@@ -178,6 +180,7 @@ def omnigraph_plan(args: argparse.Namespace, bundle: Path, max_batch_rows: int) 
     if max_batch_rows > 1 and args.batch_wait_us is not None:
         batching["batch_wait_us"] = args.batch_wait_us
     plan["stages"][0]["batching"] = batching
+    plan["stages"][0]["num_replicas"] = args.replicas
     return validate_deploy_config(plan)
 
 
@@ -191,7 +194,7 @@ def case_omnigraph(run: Run, bundle: Path, request: dict) -> None:
         started = time.perf_counter()
         omni = AsyncOmni(model="laya", deploy_config=plan, startup_timeout=args.startup_timeout)
         run.add(case, "load_s", round(time.perf_counter() - started, 3), "s",
-                batching=plan.stages[0].batching.model_dump())
+                batching=plan.stages[0].batching.model_dump(), replicas=args.replicas)
         try:
             async def answer() -> dict:
                 # Run the generator to its end: that acknowledges the request, freeing its
@@ -395,13 +398,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--warmup-s", type=float, default=1.0, help="untimed load before each timed one")
     parser.add_argument("--max-batch-rows", type=int, default=64, help="batching on: rows per merged call")
     parser.add_argument("--batch-wait-us", type=int, default=None, help="batching on: the stage's batch wait")
+    parser.add_argument("--replicas", type=int, default=1, help="omnigraph's worker replicas (num_replicas)")
     parser.add_argument("--host-calls", type=int, default=2000, help="timed calls of prepare and of finish")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a worker to load")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and targets here")
     parser.add_argument("--report", type=Path, default=None, metavar="JSON", help="only print an earlier run's report")
     args = parser.parse_args(argv)
-    if min(args.concurrency) < 1 or args.max_batch_rows < 1 or args.seconds <= 0 or args.warmup_s < 0:
-        parser.error("--concurrency and --max-batch-rows must be >= 1, --seconds > 0, --warmup-s >= 0")
+    if min(args.concurrency) < 1 or min(args.max_batch_rows, args.replicas) < 1 or args.seconds <= 0 \
+            or args.warmup_s < 0:
+        parser.error("--concurrency, --max-batch-rows and --replicas must be >= 1, --seconds > 0, --warmup-s >= 0")
     args.size = args.size or ("full" if args.device == "cuda" else "small")
     args.strict_placement = False  # laya_gpu.py's plan: CUDA nodes, CPU fallback allowed and reported
     return args
