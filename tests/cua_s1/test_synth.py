@@ -53,4 +53,3 @@ def test_refusals_write_nothing(cua_checkpoint, tmp_path):
     with pytest.raises(FileExistsError):
         synthesize_checkpoint("tiny", seed=0, out=cua_checkpoint)
     assert list(tmp_path.iterdir()) == []
-

@@ -53,4 +53,3 @@ def test_the_cache_synthesizes_once(monkeypatch, tmp_path):
     assert first.parent == tmp_path / "checkpoints"
     mtime = (first / "head.safetensors").stat().st_mtime_ns
     assert cached_checkpoint("tiny") == first and (first / "head.safetensors").stat().st_mtime_ns == mtime
-
