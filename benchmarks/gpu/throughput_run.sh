@@ -10,6 +10,9 @@
 #
 #   run 5  carry [.whl, .gpu/ort-include]   command: bash benchmarks/gpu/throughput_run.sh   timeout_s 600
 #
+# (On 2026-11-29 the tree had grown to 2 MiB, so a 62 MiB part of .gpu/ortgpu no longer fitted in
+# one call: the same wheel was carried in five 52 MB parts, `split -b 52000000`, joined the same way.)
+#
 # Writes $OUT/throughput.json (rows + targets, rewritten after every case) and $OUT/throughput.log
 # (every step's output), and prints the report last. A failed step is logged and the run goes on;
 # the benchmark skips, with the reason, whatever that step left missing.
