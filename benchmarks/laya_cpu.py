@@ -37,6 +37,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     del sys.path[0]
 
 TARGET_SPEEDUP = 2.0
+ROUNDS = 4
 # The MatMul timed for the machine's float32 rate: an encoder projection's shape at 512 tokens.
 PEAK_MATMUL_SHAPE = (512, 384, 1536)
 
@@ -97,7 +98,7 @@ def _harness() -> Any:
 
 
 def time_in_blocks(calls: dict[str, Callable[[], Any]], requests: int, warmup: int,
-                   rounds: int = 4) -> dict[str, list[float]]:
+                   rounds: int = ROUNDS) -> dict[str, list[float]]:
     """Seconds per call of each entry, timed in blocks that take turns over `rounds` rounds.
 
     Blocks rather than call-by-call turns: each engine's thread pools spin for a moment after a
@@ -196,10 +197,14 @@ def main(argv: list[str] | None = None) -> int:
             medians = {}
             for engine, values in samples.items():
                 medians[engine] = harness.percentile(values, 50) * 1000
+                # Each round's median: a round far off the others was disturbed by other load.
+                block = len(values) // ROUNDS
+                rounds = [round(harness.percentile(values[i * block:(i + 1) * block], 50) * 1000, 1)
+                          for i in range(ROUNDS)]
                 for metric, value in (("p50_ms", medians[engine]), ("p99_ms", harness.percentile(values, 99) * 1000)):
                     rows.append({"case": engine, "metric": metric, "value": round(value, 3), "unit": "ms",
-                                 "length": requests.length, "tokens": requests.tokens,
-                                 "requests": len(values), **load, **identity})
+                                 "length": requests.length, "tokens": requests.tokens, "requests": len(values),
+                                 "round_p50_ms": rounds, **load, **identity})
             macs = graph_macs(config, length, markers=2)
             rows.append({"case": "omnigraph graph", "metric": "graph_gmac", "value": round(macs / 1e9, 3),
                          "unit": "GMAC", "length": requests.length, "tokens": requests.tokens, **identity})
@@ -216,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         print(f"{row['case']:<20} {row['metric']:<18} {row['tokens']:>6} {row['value']:>10}  {row['unit']:<6}  "
               f"{row.get('load_average', ''):<6.4}  {row.get('status', '')}"
-              f"{'' if row.get('answers_equal', True) else '  ANSWERS DIFFER'}")
+              f"{'' if row.get('answers_equal', True) else '  ANSWERS DIFFER'}"
+              f"{'  rounds ' + str(row['round_p50_ms']) if row['metric'] == 'p50_ms' else ''}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
