@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 _DOTTED = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 # Why: past a few milliseconds, waiting for batch-mates costs more latency than batching saves.
@@ -102,6 +103,16 @@ class StagePipelineConfig:
                                           f"{' or None' if optional else ''}, got {value!r}")
         if self.batch_wait_us is not None and self.batch_wait_us > MAX_BATCH_WAIT_US:
             raise PipelineConfigError(f"{where}: batch_wait_us must be <= {MAX_BATCH_WAIT_US}, got {self.batch_wait_us}")
+
+    def describe(self) -> dict[str, Any]:
+        """The declaration's place in the pipeline, as an execution plan reports each stage."""
+        return {
+            "stage_id": self.stage_id,
+            "model_stage": self.model_stage,
+            "execution_type": self.execution_type.value,
+            "input_sources": list(self.input_sources),
+            "final_output": self.final_output,
+        }
 
 
 @dataclass(frozen=True)

@@ -411,11 +411,7 @@ class NativeStage:
         import vllm
 
         return {
-            "stage_id": self.stage_id,
-            "model_stage": self.config.model_stage,
-            "execution_type": self.config.execution_type.value,
-            "input_sources": list(self.config.input_sources),
-            "final_output": self.config.final_output,
+            **self.config.describe(),
             "backend": {
                 "name": self.backend.name,
                 "model": str(self.backend.model),

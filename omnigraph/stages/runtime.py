@@ -253,11 +253,7 @@ class GraphStage:
         with self._lock:
             replicas, replacing = list(self.replicas), sorted(self._replacing)
         return {
-            "stage_id": self.stage_id,
-            "model_stage": self.config.model_stage,
-            "execution_type": self.config.execution_type.value,
-            "input_sources": list(self.config.input_sources),
-            "final_output": self.config.final_output,
+            **self.config.describe(),
             "manifest": {
                 "path": str(self.bundle.manifest_path),
                 "sha256": self.bundle.manifest_sha256,
