@@ -1,6 +1,7 @@
 """What the graph worker's wire costs: an identity graph run through a worker process vs the same
 InferenceSession.run in process, for 4 KB, 1 MB and 64 MB tensors, each sent inline (through the
-socket) and as shared memory (a memory file), to show where wire.SHM_THRESHOLD_BYTES belongs.
+socket) and as shared memory (a memory file), to show where wire.SHM_THRESHOLD_BYTES belongs; inline
+also with both ends sleeping at once (spin_wait_us 0), to show what wire.SpinWait saves.
 
     python benchmarks/wire.py [--json PATH] [--quick]
 
@@ -31,9 +32,12 @@ from omnigraph.bundles import pack_bundle
 from omnigraph.workers.client import WorkerClient
 from omnigraph.workers import wire
 from omnigraph.workers.route import WorkerRoute
-from omnigraph.workers.wire import SHM_THRESHOLD_BYTES
+from omnigraph.workers.wire import SHM_THRESHOLD_BYTES, SPIN_WAIT_US
 
 CASES = [("4KB", 4 * 1024, 5000), ("1MB", 1024 * 1024, 500), ("64MB", 64 * 1024 * 1024, 30)]
+# (path, shm threshold for a tensor of n bytes, spin_wait_us): inline and shared memory with the
+# default polling, and inline with both ends sleeping at once (what polling saves, side by side).
+PATHS = [("inline", lambda n: 2 * n, SPIN_WAIT_US), ("inline-sleep", lambda n: 2 * n, 0), ("shm", lambda n: 1, SPIN_WAIT_US)]
 TARGET_OVERHEAD_US_4KB = 100.0
 
 
@@ -153,9 +157,10 @@ def main() -> int:
             for metric, value in measured.items():
                 rows.append({"case": case, "path": "in_process", "metric": metric, "value": round(float(value), 1),
                              "unit": "us", "iterations": iterations, **identity})
-            for path, threshold in (("inline", 2 * nbytes), ("shm", 1)):
+            for path, threshold, spin_us in PATHS:
                 route = WorkerRoute(name="bench-cpu", interpreter=sys.executable, max_io_bytes=128 * 1024 * 1024,
-                                    intra_op_num_threads=1, shm_threshold_bytes=threshold)
+                                    intra_op_num_threads=1, shm_threshold_bytes=threshold(nbytes),
+                                    spin_wait_us=spin_us)
                 with WorkerClient.start(route, generation=0) as client:
                     client.load(bundle.manifest_path)
                     assert np.array_equal(client.run(feed, request_id="check", stage_id=0, epoch=0)["y"], x)
@@ -168,9 +173,9 @@ def main() -> int:
                 for metric, value in values.items():
                     rows.append({"case": case, "path": path, "metric": metric, "value": round(float(value), 1),
                                  "unit": "us", "iterations": iterations, **identity})
-    print(f"{'case':<6} {'path':<11} {'metric':<24} {'value':>12}")
+    print(f"{'case':<6} {'path':<13} {'metric':<24} {'value':>12}")
     for row in rows:
-        print(f"{row['case']:<6} {row['path']:<11} {row['metric']:<24} {row['value']:>10.1f} {row['unit']}")
+        print(f"{row['case']:<6} {row['path']:<13} {row['metric']:<24} {row['value']:>10.1f} {row['unit']}")
     default_path = "inline" if 4 * 1024 < SHM_THRESHOLD_BYTES else "shm"
     overhead = next(r["value"] for r in rows
                     if r["case"] == "4KB" and r["path"] == default_path and r["metric"] == "worker_overhead_median")

@@ -35,6 +35,8 @@ from omnigraph.pipelines.config import (
     StagePipelineConfig,
 )
 from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
+from omnigraph.workers.route import MAX_SPIN_WAIT_US
+from omnigraph.workers.wire import SPIN_WAIT_US
 
 GRAPH_BACKEND = "external.graph.v1"
 NATIVE_BACKEND = "vllm.pooling.v1"
@@ -67,6 +69,7 @@ class RouteConfig(_Strict):
     provider_options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     enable_cuda_graph: bool = False
     intra_op_num_threads: int | None = Field(default=None, ge=1)
+    spin_wait_us: int = Field(default=SPIN_WAIT_US, ge=0, le=MAX_SPIN_WAIT_US)
 
 
 class GraphBackendConfig(_Strict):

@@ -71,6 +71,7 @@ def worker_route(stage: StageDeployConfig) -> WorkerRoute:
         enable_cuda_graph=route.enable_cuda_graph,
         gpu_mem_limit=vram or None,
         intra_op_num_threads=route.intra_op_num_threads,
+        spin_wait_us=route.spin_wait_us,
         env=stage.env,
         **extra,
     )

@@ -76,6 +76,7 @@ class WorkerClient:
         self._binary_header = wire.FEATURE_BINARY_HEADER in hello.features
         self._process = process
         self._sock = sock
+        self._wait_for_reply = wire.SpinWait(sock, route.spin_wait_us)
         self._private_dir = private_dir
         self._call_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -285,6 +286,7 @@ class WorkerClient:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._set_timeout(deadline)
+            self._wait_for_reply()
             frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
             if deadline is not None:
                 self._set_timeout(deadline)

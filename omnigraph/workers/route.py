@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from omnigraph.workers.wire import SHM_THRESHOLD_BYTES
+from omnigraph.workers.wire import SHM_THRESHOLD_BYTES, SPIN_WAIT_US
 
 EP_PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -22,6 +22,8 @@ OS_DOMAINS = ("posix",)
 # Why: the wire's own cap on a frame's tensor bytes must stay addressable and sane.
 MAX_IO_BYTES_LIMIT = 1 << 40
 DEFAULT_MAX_IO_BYTES = 8 * 1024 * 1024
+# Why: polling longer than this is a busy loop, not a wait for the next message.
+MAX_SPIN_WAIT_US = 100_000
 
 
 class RouteInvalid(ValueError):
@@ -43,6 +45,8 @@ class WorkerRoute:
     ``gpu_mem_limit`` is the ORT arena limit in bytes (the ledger's VRAM demand).
     ``shm_threshold_bytes``: tensors this large travel as shared memory both ways (see wire.py for
     the measured trade-off; the best value depends on the machine).
+    ``spin_wait_us``: how long the worker and its client poll their socket for the next message
+    before sleeping (wire.SpinWait; 0 always sleeps at once).
     """
 
     name: str
@@ -59,6 +63,7 @@ class WorkerRoute:
     intra_op_num_threads: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
     shm_threshold_bytes: int = SHM_THRESHOLD_BYTES
+    spin_wait_us: int = SPIN_WAIT_US
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -104,6 +109,8 @@ class WorkerRoute:
             raise RouteInvalid(f"route {self.name!r}: env must map strings to strings")
         if type(self.shm_threshold_bytes) is not int or self.shm_threshold_bytes < 1:
             raise RouteInvalid(f"route {self.name!r}: shm_threshold_bytes must be an integer >= 1")
+        if type(self.spin_wait_us) is not int or not 0 <= self.spin_wait_us <= MAX_SPIN_WAIT_US:
+            raise RouteInvalid(f"route {self.name!r}: spin_wait_us must be an integer in [0, {MAX_SPIN_WAIT_US}]")
         object.__setattr__(self, "allowed_providers", allowed)
         object.__setattr__(self, "min_fraction_on_target", float(self.min_fraction_on_target))
         object.__setattr__(self, "provider_options", MappingProxyType(dict(self.provider_options)))

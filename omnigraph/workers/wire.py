@@ -99,10 +99,12 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import select
 import socket
 import struct
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
 
@@ -137,6 +139,12 @@ TENSOR_ALIGNMENT = 64
 # memory files take over past 128 MiB, where an inline frame would hold that much again in the
 # kernel's socket buffers. A route can lower it (WorkerRoute.shm_threshold_bytes).
 SHM_THRESHOLD_BYTES = 128 * 1024 * 1024
+# Why: a reader that sleeps in the kernel pays the scheduler's wake-up on every message (50-100 us
+# on the 2-core development VMs: benchmarks/wire.py's echo floor, against 12-15 us when both ends
+# poll), so each end polls its socket for this long after its last message before sleeping, as
+# vLLM's shared-memory message queue does; back-to-back calls then never sleep, and an idle
+# worker sleeps after this bound. A route sets its own (WorkerRoute.spin_wait_us; 0 never polls).
+SPIN_WAIT_US = 500
 # Why: bounds the ancillary buffer; one fd per large tensor.
 MAX_FDS = MAX_TENSORS
 # Why: a frame's integers must survive a round trip through any JSON reader (int64 range).
@@ -825,6 +833,27 @@ def _validate_descriptors(
             f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)"
         )
     return tuple(result)
+
+
+class SpinWait:
+    """Waits, without sleeping, until one socket is readable or ``spin_us`` have passed.
+
+    Called before a blocking read: when the next message (or the peer's close) arrives within the
+    bound, the read finds it there and the process never sleeps; past the bound the read sleeps in
+    the kernel as usual. Each poll first yields the CPU to any other runnable thread, so polling
+    does not starve other work on a busy machine."""
+
+    def __init__(self, sock: socket.socket, spin_us: int) -> None:
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)  # hang-ups and errors are always reported too
+        self._spin_s = spin_us / 1e6
+
+    def __call__(self) -> None:
+        if not self._spin_s or self._poll.poll(0):
+            return
+        end = time.perf_counter() + self._spin_s
+        while not self._poll.poll(0) and time.perf_counter() < end:
+            os.sched_yield()
 
 
 def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:

@@ -87,7 +87,9 @@ class GraphWorker:
     def serve(self) -> int:
         """Answer messages until close or the controller goes; returns the exit status."""
         self._send("hello", body=self.hello().to_dict())
+        wait_for_message = wire.SpinWait(self._sock, self._route.spin_wait_us)
         while True:
+            wait_for_message()
             try:
                 frame = wire.read_frame(self._sock, max_payload_bytes=self._route.max_io_bytes)
             except wire.PeerClosed:

@@ -60,6 +60,9 @@ def test_json_round_trip():
     ({"env": {"A": 1}}, "env"),
     ({"provider_options": {"a": [1]}}, "provider_options"),
     ({"shm_threshold_bytes": 0}, "shm_threshold_bytes"),
+    ({"spin_wait_us": -1}, "spin_wait_us"),
+    ({"spin_wait_us": 100_001}, "spin_wait_us"),
+    ({"spin_wait_us": 0.5}, "spin_wait_us"),
 ])
 def test_invalid_fields_are_refused(fields, message):
     with pytest.raises(RouteInvalid, match=message):

@@ -312,3 +312,21 @@ def test_a_remembered_binary_section_is_still_checked_against_its_frame(pair):
     a.sendall(bytes(broken))
     with pytest.raises(wire.UnknownDtype):
         wire.read_frame(b, max_payload_bytes=CAP)
+
+
+def test_spin_wait_returns_when_a_message_is_there_and_consumes_nothing(pair):
+    a, b = pair
+    a.sendall(b"next message")
+    wire.SpinWait(b, 100_000)()  # returns at once: the bytes are there
+    assert b.recv(64, socket.MSG_DONTWAIT) == b"next message"
+
+
+def test_spin_wait_gives_up_after_its_bound_and_on_a_closed_peer(pair):
+    a, b = pair
+    b.settimeout(None)  # a blocking socket: MSG_DONTWAIT reports "nothing yet" instead of waiting
+    wire.SpinWait(b, 1000)()  # nothing comes: returns after about a millisecond, leaving the socket empty
+    with pytest.raises(BlockingIOError):
+        b.recv(1, socket.MSG_DONTWAIT)
+    a.close()
+    wire.SpinWait(b, 100_000)()  # the hang-up ends the wait, and the read that follows sees the end
+    assert b.recv(1) == b""

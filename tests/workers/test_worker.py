@@ -79,6 +79,21 @@ def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle,
     assert stats["manifest_sha256"] == affine_bundle.manifest_sha256
 
 
+def test_polling_and_sleeping_workers_answer_alike(start_worker, affine_bundle, cpu_route):
+    """spin_wait_us only changes how each end waits for the next message, never what it reads."""
+    answers = []
+    for spin_wait_us in (0, 2000):
+        client = start_worker(dataclasses.replace(cpu_route, spin_wait_us=spin_wait_us))
+        client.load(affine_bundle.manifest_path)
+        answers.append([client.run(affine_inputs(3, 16, seed=call), request_id=f"r{call}", stage_id=0, epoch=0)
+                        for call in range(50)])
+        assert client.stats()["runs"] == 50
+        client.close()
+    for sleeping, polling in zip(*answers):
+        for name in sleeping:
+            np.testing.assert_array_equal(sleeping[name], polling[name])
+
+
 def test_input_mismatches_are_refused_and_the_worker_survives(start_worker, affine_bundle):
     client = start_worker()
     client.load(affine_bundle.manifest_path)
