@@ -13,6 +13,8 @@ Cases (`--cases`), in the order they run:
                   class); times `Engine.predict`, and reports its CUDA-event `gpu_ms` too.
   ort-fast-graph  the `fast` bundle (omnigraph custom ops) on a CUDA route with `enable_cuda_graph`.
   ort-fast        the `fast` bundle on a CUDA route.
+  ort-fast16-graph  the `fast` bundle built with FP16 activations (`--precision fp16 --fast`), CUDA
+                  graphs on: the same kernels in their FP16 instantiation (laya-cuda's precision).
   ort-bf16        the standard-op bf16 bundle (`bundle build --precision bf16`).
   ort-fp32        the standard-op fp32 bundle.
 Each `ort-*` case is timed twice:
@@ -78,16 +80,18 @@ TARGET_MAX_DRIFT = 0.002
 DECISIVE_MARGIN = 0.01
 PRODUCT = "ort-fast-graph e2e"  # the configuration the targets are about
 
-CASES = ("laya", "laya-cuda", "ort-fast-graph", "ort-fast", "ort-bf16", "ort-fp32")
+CASES = ("laya", "laya-cuda", "ort-fast-graph", "ort-fast16-graph", "ort-fast", "ort-bf16", "ort-fp32")
 # ort case -> (bundle, enable_cuda_graph)
 ORT_CASES = {
     "ort-fast-graph": ("fast", True),
+    "ort-fast16-graph": ("fast16", True),
     "ort-fast": ("fast", False),
     "ort-bf16": ("bf16", False),
     "ort-fp32": ("fp32", False),
 }
 BUNDLES = {"bf16": {"precision": "bf16", "fast": False},
            "fast": {"precision": "bf16", "fast": True},
+           "fast16": {"precision": "fp16", "fast": True},
            "fp32": {"precision": "fp32", "fast": False}}
 
 STATE_TEXT = ("Hi, I was charged twice for my March invoice. Please refund the duplicate charge and tell "

@@ -45,7 +45,7 @@ SIZE=${SIZE:-full}
 DEVICE=${DEVICE:-cuda}
 REQUESTS=${REQUESTS:-200}
 SITE=${SITE:-/tmp/site}
-BUNDLES=${BUNDLES:-bf16 fast fp32}
+BUNDLES=${BUNDLES:-bf16 fast fast16 fp32}
 REPO=$PWD
 OUT=${OUT:-/tmp/laya-gpu-out}
 WORK=${WORK:-/tmp/laya-gpu}
@@ -138,8 +138,9 @@ for name in $BUNDLES; do
   case $name in
     bf16) flags=(--precision bf16) ;;
     fast) flags=(--precision bf16 --fast) ;;
+    fast16) flags=(--precision fp16 --fast) ;;
     fp32) flags=(--precision fp32) ;;
-    *) log "unknown bundle $name in BUNDLES (bf16, fast, fp32)"; continue ;;
+    *) log "unknown bundle $name in BUNDLES (bf16, fast, fast16, fp32)"; continue ;;
   esac
   ( step "bundle-$name" timeout 300 python3 -m omnigraph.plugin.cli --debug bundle build laya \
       --checkpoint "$CHECKPOINT" --out "$WORK/bundle-$name" "${flags[@]}" ) &
@@ -155,7 +156,8 @@ STOP=$(( HARD_LIMIT_S - $(elapsed) ))
 log "== laya_gpu.py with --time-budget $LEFT, stopped after $STOP s"
 timeout -k 5 "$STOP" python3 benchmarks/laya_gpu.py --device "$DEVICE" --size "$SIZE" \
   --checkpoint "$CHECKPOINT" --requests "$REQUESTS" \
-  --bundle bf16="$WORK/bundle-bf16" --bundle fast="$WORK/bundle-fast" --bundle fp32="$WORK/bundle-fp32" \
+  --bundle bf16="$WORK/bundle-bf16" --bundle fast="$WORK/bundle-fast" --bundle fast16="$WORK/bundle-fast16" \
+  --bundle fp32="$WORK/bundle-fp32" \
   --time-budget "$LEFT" --json "$JSON" >> "$LOG" 2>&1
 RC=$?
 log "== laya_gpu.py: exit $RC"

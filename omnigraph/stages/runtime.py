@@ -69,6 +69,7 @@ def worker_route(stage: StageDeployConfig) -> WorkerRoute:
         min_fraction_on_target=backend.min_fraction_on_target,
         os_domain=route.os_domain,
         enable_cuda_graph=route.enable_cuda_graph,
+        cuda_graph_max_rows=route.cuda_graph_max_rows,
         gpu_mem_limit=vram or None,
         intra_op_num_threads=route.intra_op_num_threads,
         spin_wait_us=route.spin_wait_us,

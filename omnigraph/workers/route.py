@@ -22,6 +22,9 @@ OS_DOMAINS = ("posix",)
 # Why: the wire's own cap on a frame's tensor bytes must stay addressable and sane.
 MAX_IO_BYTES_LIMIT = 1 << 40
 DEFAULT_MAX_IO_BYTES = 8 * 1024 * 1024
+# Why: vLLM captures CUDA graphs up to a batch of 512 by default (max_cudagraph_capture_size); a
+# decision row carries a whole sequence, so far fewer rows are launch-bound.
+DEFAULT_CUDA_GRAPH_MAX_ROWS = 8
 # Why: polling longer than this is a busy loop, not a wait for the next message.
 MAX_SPIN_WAIT_US = 100_000
 
@@ -45,6 +48,10 @@ class WorkerRoute:
     ``gpu_mem_limit`` is the ORT arena limit in bytes (the ledger's VRAM demand).
     ``shm_threshold_bytes``: tensors this large travel as shared memory both ways (see wire.py for
     the measured trade-off; the best value depends on the machine).
+    ``cuda_graph_max_rows``: with ``enable_cuda_graph``, only calls whose inputs all have at most
+    this many rows (their leading dimension) run from a captured CUDA graph; larger calls, whose
+    kernels outweigh their launches, run uncaptured at their exact shape (vLLM's
+    max_cudagraph_capture_size).
     ``spin_wait_us``: how long the worker and its client poll their socket for the next message
     before sleeping (wire.SpinWait; 0 always sleeps at once).
     """
@@ -59,6 +66,7 @@ class WorkerRoute:
     os_domain: str = "posix"
     max_io_bytes: int = DEFAULT_MAX_IO_BYTES
     enable_cuda_graph: bool = False
+    cuda_graph_max_rows: int = DEFAULT_CUDA_GRAPH_MAX_ROWS
     gpu_mem_limit: int | None = None
     intra_op_num_threads: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
@@ -94,6 +102,8 @@ class WorkerRoute:
             raise RouteInvalid(f"route {self.name!r}: enable_cuda_graph must be a boolean")
         if self.enable_cuda_graph and self.ep != "cuda":
             raise RouteInvalid(f"route {self.name!r}: enable_cuda_graph needs ep 'cuda', not {self.ep!r}")
+        if type(self.cuda_graph_max_rows) is not int or self.cuda_graph_max_rows < 1:
+            raise RouteInvalid(f"route {self.name!r}: cuda_graph_max_rows must be an integer >= 1")
         if self.gpu_mem_limit is not None:
             if type(self.gpu_mem_limit) is not int or self.gpu_mem_limit <= 0:
                 raise RouteInvalid(f"route {self.name!r}: gpu_mem_limit must be a positive integer (bytes)")

@@ -144,15 +144,21 @@ class GraphSession:
         self._session.run_with_iobinding(binding, options)
         return binding.copy_outputs_to_cpu()
 
+    @property
+    def cuda_graph_shapes(self) -> int:
+        """Input shapes that have a CUDA graph slot (captured, or captured on their next call)."""
+        return len(self._cuda_graph_slots)
+
     def _run_cuda_graph(self, arrays: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Replay (or let ORT capture, after its two warm-up runs) the CUDA graph of this shape."""
         key = tuple(arrays[name].shape for name in self._input_wire)
         slot = self._cuda_graph_slots.get(key)
-        if slot is None and len(self._cuda_graph_slots) < MAX_CUDA_GRAPHS:
+        capturable = all(not shape or shape[0] <= self._route.cuda_graph_max_rows for shape in key)
+        if slot is None and capturable and len(self._cuda_graph_slots) < MAX_CUDA_GRAPHS:
             slot = self._new_cuda_graph_slot(arrays, graph_id=len(self._cuda_graph_slots))
             self._cuda_graph_slots[key] = slot
         options = ort.RunOptions()
-        if slot is None:  # more shapes than graphs: run this one uncaptured
+        if slot is None:  # too many rows, or more shapes than graphs: run this one uncaptured
             options.add_run_config_entry(GPU_GRAPH_ID, "-1")
             return self._run_io_binding({name: np.ascontiguousarray(arrays[name]) for name in self._input_wire}, options)
         for name, value in slot.inputs.items():

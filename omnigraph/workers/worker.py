@@ -173,6 +173,7 @@ class GraphWorker:
         stats.update(self._counters)
         stats["manifest_sha256"] = self._manifest_sha256
         stats["max_epoch"] = self._max_epoch
+        stats["cuda_graph_shapes"] = self._session.cuda_graph_shapes if self._session is not None else 0
         stats["device_memory"] = _device_memory(self._route.device_id) if self._route.ep != "cpu" else None
         return stats
 

@@ -141,6 +141,16 @@ def test_routes_without_fixed_shapes_get_no_padding_rows(bundle, processor):
     assert cpu.padded(functools.reduce(Footprint.combine, map(cpu.footprint, items))).rows == 5
 
 
+def test_cuda_graph_routes_pad_rows_only_up_to_the_captured_size(bundle, processor):
+    """Like vLLM's cudagraph capture sizes: small calls pad to a captured bucket, large ones stay exact."""
+    items = [processor.prepare(REQUESTS[i]).work[0] for i in (0, 1, 4)]  # 5 rows
+    graphs = LayaBatchAdapter(verify_bundle(bundle), route(ep="cuda", enable_cuda_graph=True, cuda_graph_max_rows=4))
+    assert [graphs.padded_rows(rows) for rows in (1, 3, 4, 5, 26)] == [1, 4, 4, 5, 26]
+    assert graphs.pack(items)["input_ids"].shape[0] == 5
+    assert LayaBatchAdapter(verify_bundle(bundle), route(ep="cuda", enable_cuda_graph=True)).pack(items)[
+        "input_ids"].shape[0] == 8  # the default captures up to 8 rows
+
+
 class Item:
     def __init__(self, request_id: str, tensors: dict) -> None:
         self.request_id, self.tensors = request_id, tensors

@@ -89,6 +89,20 @@ def test_cuda_graphs_per_shape_match_the_cpu(start_worker, tmp_path):
             np.testing.assert_allclose(got, reference.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
 
 
+def test_calls_above_the_capture_size_run_uncaptured(start_worker, tmp_path):
+    bundle = pack_graph(tmp_path / "mlp", mlp_graph(), {"x": np.ones((2, 64), np.float32)})
+    client = start_worker(cuda_route(enable_cuda_graph=True, cuda_graph_max_rows=2))
+    client.load(bundle.manifest_path)  # warm-up: the example's 2 rows take a slot
+    reference = ort.InferenceSession(str(bundle.graph_path), providers=[CPU])
+    rng = np.random.default_rng(0)
+    for round_ in range(4):
+        for n in (1, 2, 3, 5, 26):
+            x = rng.standard_normal((n, 64)).astype(np.float32)
+            got = client.run({"x": x}, request_id=f"{round_}-{n}", stage_id=0, epoch=0)["y"]
+            np.testing.assert_allclose(got, reference.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    assert client.stats()["cuda_graph_shapes"] == 2  # 1 and 2 rows; 3, 5 and 26 never took a slot
+
+
 def test_a_true_partial_split_is_reported_and_enforced(start_worker, tmp_path):
     bundle = pack_graph(tmp_path / "split", split_graph(), {"x": np.ones((2, 3, 3), np.float32)})
     lenient = start_worker(cuda_route(allowed_providers=(CUDA, CPU), min_fraction_on_target=0.3))

@@ -61,6 +61,7 @@ def test_json_round_trip():
     ({"provider_options": {"a": [1]}}, "provider_options"),
     ({"shm_threshold_bytes": 0}, "shm_threshold_bytes"),
     ({"spin_wait_us": -1}, "spin_wait_us"),
+    ({"cuda_graph_max_rows": 0}, "cuda_graph_max_rows"),
     ({"spin_wait_us": 100_001}, "spin_wait_us"),
     ({"spin_wait_us": 0.5}, "spin_wait_us"),
 ])

@@ -3,12 +3,13 @@
 The processor's work items hold real rows only, each item padded in length and marker slots to
 its own buckets (``sequence.BatchLayout``). Items share a call when their padded lengths fall in
 the same power-of-two class (17-32, 33-64, ..., 257-512 tokens), so a merged call pads no row to
-more than twice its own bucket; its length and marker slots are padded to the widest item's. On a
-route that runs fixed shapes (CUDA graphs, TensorRT) the call's rows are padded to a power of two
-(the layout's ``rows`` bucket) by repeating its last real row; elsewhere ONNX Runtime takes any
-row count, so padding rows would only burn compute. Unpacking gives each item its own rows and
-marker slots: padded rows and slots never reach a response, and every question is still decoded
-on its own row (normalisation per question, usage per request, in ``processor.finish``).
+more than twice its own bucket; its length and marker slots are padded to the widest item's. Where
+a call runs at a fixed shape (a captured CUDA graph, a TensorRT engine) its rows are padded to a
+power of two (the layout's ``rows`` bucket) by repeating its last real row; a CUDA-graph route
+captures only calls of up to ``cuda_graph_max_rows`` rows, so larger calls keep their exact rows,
+as they do wherever ONNX Runtime takes any row count: padding rows there would only burn compute.
+Unpacking gives each item its own rows and marker slots: padded rows and slots never reach a
+response, and every question is still decoded on its own row (normalisation per question, usage per request, in ``processor.finish``).
 
 Padding cannot change a real row's answer: attention masks padded tokens, ``marker_mask`` masks
 padded slots, and rows never mix in the graph; on CPU fp32 the logits are bit-identical whatever
@@ -46,10 +47,14 @@ class LayaBatchAdapter:
             raise ValueError(f"{bundle.manifest_path}: metadata.layout has no pad_id")
         self._layout = BatchLayout(pad_id=layout["pad_id"], max_len=layout.get("max_len", BatchLayout.max_len))
         self.fixed_shapes = route.enable_cuda_graph or route.ep == "tensorrt"
+        # rows up to this run at fixed shapes (None: any number of rows does)
+        self._fixed_shape_rows = route.cuda_graph_max_rows if route.enable_cuda_graph else None
 
     def padded_rows(self, rows: int) -> int:
-        """The rows of a call holding `rows` real rows: their bucket on fixed-shape routes."""
-        return self._layout.rows_bucket(rows) if self.fixed_shapes else rows
+        """The rows of a call holding `rows` real rows: their bucket where the call's shape is fixed."""
+        if not self.fixed_shapes or (self._fixed_shape_rows is not None and rows > self._fixed_shape_rows):
+            return rows
+        return self._layout.rows_bucket(rows)
 
     def group(self, tensors: Mapping[str, np.ndarray]) -> Hashable | None:
         """The item's length class; None (runs alone) for anything but the five graph inputs."""
