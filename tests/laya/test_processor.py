@@ -111,6 +111,38 @@ def test_probabilities_are_per_question(processor):
             == processor.finish(prepared_all, outputs_all)["answers"]["team"])
 
 
+MEMO_REQUESTS = [
+    REQUEST,
+    {"state": "I'm asking   for a refund:\n the charge (#4521) came twice, didn't it?  ",
+     "questions": {"refund": REQUEST["questions"]["refund"], "team": REQUEST["questions"]["team"]}},
+    {"state": [{"role": "user", "content": "café crème, s'il vous plaît [SEP] 😀"}],
+     "questions": {"urgency": REQUEST["questions"]["urgency"]}},
+    {"state": "refund " * 400, "questions": REQUEST["questions"]},
+]
+
+
+def test_remembered_encodings_build_the_same_tensors_as_cold_ones(laya_tiny_bundle, monkeypatch):
+    """State pieces, question heads and options come from the tokenizer's memos once seen; the
+    tensors (ids, masks, marker positions) are bit-identical to a processor that remembers nothing."""
+    from omnigraph.pipelines.laya import sequence
+
+    warm = LayaProcessor({0: laya_tiny_bundle})
+    monkeypatch.setattr(sequence, "_MEMO_ENTRIES", 0)
+    monkeypatch.setattr(sequence, "_PIECE_MEMO_ENTRIES", 0)
+    cold = LayaProcessor({0: laya_tiny_bundle})
+    for _ in range(2):  # the second round from the warm processor's memos
+        for request in MEMO_REQUESTS:
+            expected, got = cold.prepare(request), warm.prepare(request)
+            assert got.context.row_tokens == expected.context.row_tokens
+            assert len(got.work) == len(expected.work)
+            for got_item, expected_item in zip(got.work, expected.work):
+                assert got_item.keys() == expected_item.keys()
+                for name, array in expected_item.items():
+                    assert got_item[name].dtype == array.dtype and np.array_equal(got_item[name], array), name
+    assert warm._tokenizer._pieces.ids and warm._tokenizer._texts.ids
+    assert not cold._tokenizer._pieces.ids and not cold._tokenizer._texts.ids
+
+
 def test_a_request_without_questions_needs_no_forward_pass(processor):
     prepared = processor.prepare({"state": "anything", "questions": {}})
     assert prepared.work == ()

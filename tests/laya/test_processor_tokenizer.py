@@ -8,10 +8,12 @@ tokens are split, and which side a 48-token option cut keeps.
 from __future__ import annotations
 
 import json
+import random
 import shutil
 import warnings
 
 import pytest
+from tokenizers import Tokenizer
 
 from omnigraph.pipelines.laya.sequence import OPTION_TOKEN_LIMIT, LayaTokenizer
 
@@ -66,10 +68,73 @@ def test_the_memo_of_heads_and_options_stays_bounded(laya_tiny_bundle, monkeypat
     tokenizer = LayaTokenizer(laya_tiny_bundle.file("tokenizer.json"), laya_tiny_bundle.file("tokenizer_config.json"))
     long_text = "refund " * 10
     assert list(tokenizer.encode_head(long_text)) == tokenizer.encode(long_text)
-    assert tokenizer._memo == {}  # too long to keep
+    assert tokenizer._texts.ids == {}  # too long to keep
     texts = ["billing", "support", "sales"]
     first = tokenizer.encode_options(texts)
-    assert len(tokenizer._memo) == 3
+    assert len(tokenizer._texts.ids) == 3
     # A remembered text and a new one: the memo is full, so it starts over with the new one.
     assert tokenizer.encode_options(["billing", "refund"]) == [first[0], tuple(tokenizer.encode(" refund"))]
-    assert set(tokenizer._memo) == {" refund"}
+    assert set(tokenizer._texts.ids) == {" refund"}
+
+
+# Fragments of ASCII text where GPT-2's pre-tokenizer pattern has edge cases: contractions (only
+# lower case ones are pieces), runs of white space before a word or at the end, control characters
+# (white space or not), punctuation runs, digits next to letters.
+_FRAGMENTS = ("'s", "'t", "'re", "'ve", "'m", "'ll", "'d", "'S", "'", "''", " ", "  ", "   ", "\n", "\r\n",
+              "\t", " \n ", "\x0b", "\x0c", "\x1c", "\x1f", "\x00", "\x7f", "refund", " the", " charge",
+              "123", "4.5", "...", "it's", " I'm", "don't", "x2y", "{\"a\": [1, 2]}")
+
+
+def _ascii_texts(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(count):
+        parts = []
+        for _ in range(rng.randint(0, 40)):
+            if rng.random() < 0.7:
+                parts.append(rng.choice(_FRAGMENTS))
+            else:
+                parts.append("".join(chr(rng.randrange(128)) for _ in range(rng.randint(1, 4))))
+        texts.append("".join(parts))
+    return texts
+
+
+@pytest.mark.parametrize("new_pieces", ["whole text", "new pieces alone"])
+def test_the_piece_memo_encodes_as_the_tokenizer(laya_small_bundle, monkeypatch, new_pieces):
+    """ASCII text goes through the piece memo: its ids are the tokenizer's, whether the new pieces
+    are encoded in the whole text (word ids) or on their own, and again from the memo."""
+    from omnigraph.pipelines.laya import sequence
+
+    # Always (or never) encode the whole text, whatever share of its pieces is new.
+    monkeypatch.setattr(sequence, "_PIECES_PER_NEW_PIECE", 10**9 if new_pieces == "whole text" else 0)
+    tokenizer = LayaTokenizer(laya_small_bundle.file("tokenizer.json"), laya_small_bundle.file("tokenizer_config.json"))
+    plain = Tokenizer.from_file(str(laya_small_bundle.file("tokenizer.json")))
+    for text in _ascii_texts(seed=len(new_pieces), count=1500):
+        expected = plain.encode(text, add_special_tokens=False).ids
+        assert tokenizer.encode(text) == expected, repr(text)
+        assert tokenizer.encode(text) == expected, repr(text)  # every piece now from the memo
+    assert len(tokenizer._pieces.ids) > 1000
+
+
+def test_text_the_pieces_cannot_split_is_encoded_whole(laya_tiny_bundle):
+    """Non-ASCII text and text that holds an added token skip the piece memo (and come out right)."""
+    tokenizer = LayaTokenizer(laya_tiny_bundle.file("tokenizer.json"), laya_tiny_bundle.file("tokenizer_config.json"))
+    plain = Tokenizer.from_file(str(laya_tiny_bundle.file("tokenizer.json")))
+    for text in ("café au lait", "the [SEP] charge", "x[CLS]y", "\u2019s refund"):
+        assert tokenizer.encode(text) == plain.encode(text, add_special_tokens=False).ids
+    assert tokenizer._pieces.ids == {}
+    assert tokenizer.encode("the charge") == plain.encode("the charge", add_special_tokens=False).ids
+    assert set(tokenizer._pieces.ids) == {"the", " charge"}
+
+
+def test_the_piece_memo_stays_bounded(laya_tiny_bundle, monkeypatch):
+    from omnigraph.pipelines.laya import sequence
+
+    monkeypatch.setattr(sequence, "_PIECE_MEMO_ENTRIES", 4)
+    monkeypatch.setattr(sequence, "_PIECE_MAX_CHARS", 8)
+    tokenizer = LayaTokenizer(laya_tiny_bundle.file("tokenizer.json"), laya_tiny_bundle.file("tokenizer_config.json"))
+    plain = Tokenizer.from_file(str(laya_tiny_bundle.file("tokenizer.json")))
+    for text in ("please refund", "a duplicated invoice", "the charge was twice as much as it ought to be"):
+        assert tokenizer.encode(text) == plain.encode(text, add_special_tokens=False).ids
+        assert len(tokenizer._pieces.ids) <= 4
+        assert all(len(piece) <= 8 for piece in tokenizer._pieces.ids)

@@ -36,6 +36,15 @@ GRAPH_INPUTS = frozenset({"input_ids", "attention_mask", "marker_pos", "marker_m
 # Input bytes of one padded row: two int64 token arrays per position, int64 + bool per marker
 # slot, one int64 qtype.
 _TOKEN_BYTES, _MARKER_BYTES, _ROW_BYTES = 16, 9, 8
+# Each input of a packed call: its dtype, the value its padded positions hold (None: the layout's
+# pad_id) and the width its second axis is padded to (None: it has none).
+_PACKED_INPUTS = {
+    "input_ids": (np.int64, None, "length"),
+    "attention_mask": (np.int64, 0, "length"),
+    "marker_pos": (np.int64, 0, "markers"),
+    "marker_mask": (np.bool_, False, "markers"),
+    "qtype": (np.int64, None, None),
+}
 
 
 class LayaBatchAdapter:
@@ -74,45 +83,51 @@ class LayaBatchAdapter:
                           real_rows=total.rows, real_tokens=total.tokens)
 
     def pack(self, items: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-        """The items' rows in order, then any padding rows, repeating the last real row."""
+        """The items' rows in order, then any padding rows, repeating the last real row.
+
+        One ``np.concatenate`` per input: only an item narrower than the call (in tokens or marker
+        slots) is widened first, so a call of items of one shape costs a copy of each input.
+        """
         real = sum(item["input_ids"].shape[0] for item in items)
         rows = self.padded_rows(real)
         if len(items) == 1 and rows == real:
             return dict(items[0])
-        length = max(item["input_ids"].shape[1] for item in items)
-        markers = max(item["marker_pos"].shape[1] for item in items)
-        packed = {
-            "input_ids": np.full((rows, length), self._layout.pad_id, dtype=np.int64),
-            "attention_mask": np.zeros((rows, length), dtype=np.int64),
-            "marker_pos": np.zeros((rows, markers), dtype=np.int64),
-            "marker_mask": np.zeros((rows, markers), dtype=bool),
-            "qtype": np.zeros(rows, dtype=np.int64),
-        }
-        start = 0
-        for item in items:
-            stop = start + item["input_ids"].shape[0]
-            for name, array in packed.items():
-                source = item[name]
-                array[(slice(start, stop), *(slice(0, n) for n in source.shape[1:]))] = source
-            start = stop
-        for array in packed.values():
-            array[real:] = array[real - 1]
+        widths = {"length": max(item["input_ids"].shape[1] for item in items),
+                  "markers": max(item["marker_pos"].shape[1] for item in items)}
+        packed = {}
+        for name, (dtype, fill, axis) in _PACKED_INPUTS.items():
+            parts = [item[name] for item in items]
+            if axis is not None:
+                width, fill = widths[axis], self._layout.pad_id if fill is None else fill
+                parts = [part if part.shape[1] == width else _widened(part, width, fill) for part in parts]
+            if rows > real:
+                parts.append(np.broadcast_to(parts[-1][-1:], (rows - real, *parts[-1].shape[1:])))
+            packed[name] = np.concatenate(parts, dtype=dtype)
         return packed
 
     def unpack(self, outputs: Mapping[str, np.ndarray],
                items: Sequence[Mapping[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """Each item's ``logits`` [rows, its slots] and ``act_logits`` [rows, 2]."""
+        """Each item's ``logits`` [rows, its slots] and ``act_logits`` [rows, 2]: views of one copy
+        of the call's outputs (which may live in a buffer the worker reuses)."""
         rows = self.padded_rows(sum(item["input_ids"].shape[0] for item in items))
         markers = max(item["marker_pos"].shape[1] for item in items)
         for name, shape in (("logits", (rows, markers)), ("act_logits", (rows, 2))):
             if name not in outputs or outputs[name].shape != shape:
                 got = list(outputs[name].shape) if name in outputs else "missing"
                 raise ValueError(f"decision graph output {name!r} is {got}; the packed call needs {list(shape)}")
+        logits, act_logits = np.array(outputs["logits"]), np.array(outputs["act_logits"])
         shares = []
         start = 0
         for item in items:
             stop = start + item["input_ids"].shape[0]
-            shares.append({"logits": outputs["logits"][start:stop, :item["marker_pos"].shape[1]].copy(),
-                           "act_logits": outputs["act_logits"][start:stop].copy()})
+            shares.append({"logits": logits[start:stop, :item["marker_pos"].shape[1]],
+                           "act_logits": act_logits[start:stop]})
             start = stop
         return shares
+
+
+def _widened(array: np.ndarray, width: int, fill: int | bool) -> np.ndarray:
+    """`array` [rows, n] padded on the right with `fill` to [rows, width]."""
+    widened = np.full((array.shape[0], width), fill, dtype=array.dtype)
+    widened[:, :array.shape[1]] = array
+    return widened

@@ -17,13 +17,15 @@ sees a small set of shapes: padding rows repeat the batch's last row and are dro
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
 from omnigraph.pipelines.laya.request import NOUL_DEFAULT_TEXTS, QUESTION_TYPES, Question
 
@@ -50,6 +52,22 @@ _MIN_INSTRUCTION_TOKENS = 8
 #: most this long): a few MiB, far more than the distinct questions a deployment asks.
 _MEMO_ENTRIES = 8192
 _MEMO_MAX_CHARS = 2048
+#: Pieces of state text (byte-level BPE's pre-tokens: a word with its leading space, a number, a
+#: run of punctuation) remembered by ``LayaTokenizer``: at most this many, each at most this long;
+#: about 200 bytes each, so under 16 MiB, more than a language's common words.
+_PIECE_MEMO_ENTRIES = 65536
+_PIECE_MAX_CHARS = 32
+#: A text with more than one new piece in this many is encoded whole in one tokenizer call (which
+#: then fills the piece memo): a piece encoded on its own costs the tokenizer about 4 times what it
+#: costs inside a text.
+_PIECES_PER_NEW_PIECE = 4
+
+# GPT-2's pre-tokenizer pattern, which ``tokenizers``' ByteLevel pre-tokenizer applies with
+# use_regex (``'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+``),
+# spelled for ASCII text, where letters, digits and white space are these plain classes.
+_ASCII_SPACE = "\t\n\x0b\x0c\r "
+_ASCII_PIECE = re.compile(rf"'s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^{_ASCII_SPACE}A-Za-z0-9]+"
+                          rf"|[{_ASCII_SPACE}]+(?![^{_ASCII_SPACE}])|[{_ASCII_SPACE}]+")
 
 #: What a row is made of; its sha256 is the audit's ``prompt_template_sha256``.
 PROMPT_TEMPLATE = json.dumps({
@@ -74,6 +92,28 @@ def _token_content(value: Any) -> str | None:
     if isinstance(value, dict):  # the older serialisation: {"content": "[MASK]", ...}
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+class _TokenMemo:
+    """Token ids of exact strings, bounded: only strings of at most ``max_chars`` characters are
+    kept, and once ``entries`` are held it starts over, so it stays bounded under any traffic.
+    Reads and writes of one dict need no lock: a thread that misses an entry encodes it again."""
+
+    def __init__(self, entries: int, max_chars: int) -> None:
+        self.entries, self.max_chars = entries, max_chars
+        self.ids: dict[str, tuple[int, ...]] = {}
+
+    def lookup(self, texts: Sequence[str]) -> list[tuple[int, ...] | None]:
+        return list(map(self.ids.get, texts))
+
+    def remember(self, encoded: dict[str, tuple[int, ...]]) -> None:
+        if len(self.ids) + len(encoded) > self.entries:
+            self.ids.clear()
+        for text, ids in encoded.items():
+            if len(self.ids) == self.entries:
+                break
+            if len(text) <= self.max_chars:
+                self.ids[text] = ids
 
 
 class LayaTokenizer:
@@ -114,16 +154,69 @@ class LayaTokenizer:
         self.mask_token = _token_content(config.get("mask_token"))
         self.cls_id, self.sep_id = ids["cls_token"], ids["sep_token"]
         self.pad_id, self.mask_id = ids["pad_token"], ids["mask_token"]
-        self._memo: dict[str, tuple[int, ...]] = {}
+        self._texts = _TokenMemo(_MEMO_ENTRIES, _MEMO_MAX_CHARS)
+        self._pieces = _TokenMemo(_PIECE_MEMO_ENTRIES, _PIECE_MAX_CHARS)
+        added = sorted({token.content for token in self._tokenizer.get_added_tokens_decoder().values()},
+                       key=len, reverse=True)
+        self._added_token = re.compile("|".join(map(re.escape, added))) if added else None
+        pre_tokenizer, model = self._tokenizer.pre_tokenizer, self._tokenizer.model
+        # Where the text is split exactly as _ASCII_PIECE splits it, and each piece is encoded on
+        # its own: no normalizer, GPT-2's byte-level split without a prefix space, BPE without dropout.
+        self._splits_ascii_pieces = (
+            self._tokenizer.normalizer is None
+            and isinstance(pre_tokenizer, pre_tokenizers.ByteLevel) and pre_tokenizer.use_regex
+            and not pre_tokenizer.add_prefix_space
+            and isinstance(model, models.BPE) and model.dropout is None)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens; the mask token becomes a space.
 
-        ``encode_batch_fast``, not ``encode``: the same ids, without the character offsets nobody
-        reads, and it releases the GIL while it works (the replica threads run meanwhile).
+        Byte-level BPE encodes each piece of the text (its pre-tokens) on its own, so for text
+        whose pieces ``_pieces`` can find, the ids of pieces seen before come from a memo and only
+        new pieces reach the tokenizer; a text with many new pieces is encoded whole and its
+        pieces remembered. Elsewhere the tokenizer encodes the text whole. The ids are the same
+        either way. ``encode_batch_fast``, not ``encode``: the same ids, without the character
+        offsets nobody reads, and it releases the GIL while it works.
         """
-        return self._tokenizer.encode_batch_fast([text.replace(self.mask_token, " ")],
-                                                 add_special_tokens=False)[0].ids
+        text = text.replace(self.mask_token, " ")
+        pieces = self._split_pieces(text)
+        if pieces is None:
+            return self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        found = self._pieces.lookup(pieces)
+        if None in found:
+            new = list(dict.fromkeys(piece for piece, ids in zip(pieces, found) if ids is None))
+            if len(new) * _PIECES_PER_NEW_PIECE > len(pieces):
+                return self._encode_whole(text, pieces)
+            encoded = dict(zip(new, self._encode_each(new)))
+            self._pieces.remember(encoded)
+            found = [encoded[piece] if ids is None else ids for piece, ids in zip(pieces, found)]
+        return list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
+
+    def _split_pieces(self, text: str) -> list[str] | None:
+        """The text's pre-tokens where ``_ASCII_PIECE`` finds them exactly: ASCII text (whose
+        letters, digits and spaces it spells) holding no added token (which the tokenizer splits
+        out first); None elsewhere."""
+        if not (self._splits_ascii_pieces and text.isascii()):
+            return None
+        if self._added_token is not None and self._added_token.search(text):
+            return None
+        return _ASCII_PIECE.findall(text)
+
+    def _encode_whole(self, text: str, pieces: list[str]) -> list[int]:
+        """The text's ids in one tokenizer call, remembering each piece's ids (the tokens of
+        piece i are those whose word index is i)."""
+        encoding = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        ids, words = encoding.ids, encoding.word_ids
+        if words and words[-1] == len(pieces) - 1:
+            per_piece: list[list[int]] = [[] for _ in pieces]
+            for word, token in zip(words, ids):
+                per_piece[word].append(token)
+            self._pieces.remember(dict(zip(pieces, map(tuple, per_piece))))
+        return ids
+
+    def _encode_each(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
+        """Each text's ids, in one tokenizer call."""
+        return [tuple(encoding.ids) for encoding in self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def encode_head(self, text: str) -> tuple[int, ...]:
         """Token ids of a question's head text, memoised (the same questions come again and again)."""
@@ -138,25 +231,14 @@ class LayaTokenizer:
 
     def _memoised(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
         """Token ids of each text (mask tokens already replaced): remembered ones from the memo,
-        the rest in one tokenizer call.
-
-        Only short texts are kept, and the memo starts over once full, so it stays bounded under
-        any traffic; reads and writes of one dict need no lock.
-        """
-        memo = self._memo
-        found = [memo.get(text) for text in texts]
-        missing = [text for text, ids in zip(texts, found) if ids is None]
-        if missing:
-            encodings = self._tokenizer.encode_batch_fast(missing, add_special_tokens=False)
-            if len(memo) + len(missing) > _MEMO_ENTRIES:
-                memo.clear()
-            fresh = {}
-            for text, encoding in zip(missing, encodings):
-                fresh[text] = tuple(encoding.ids)
-                if len(text) <= _MEMO_MAX_CHARS:
-                    memo[text] = fresh[text]
-            found = [fresh[text] if ids is None else ids for text, ids in zip(texts, found)]
-        return found  # type: ignore[return-value]
+        the rest in one tokenizer call."""
+        found = self._texts.lookup(texts)
+        if None not in found:
+            return found  # type: ignore[return-value]
+        new = list(dict.fromkeys(text for text, ids in zip(texts, found) if ids is None))
+        encoded = dict(zip(new, self._encode_each(new)))
+        self._texts.remember(encoded)
+        return [encoded[text] if ids is None else ids for text, ids in zip(texts, found)]
 
     def vocabulary_sha256(self) -> str:
         """sha256 of the token set (every token and its id, added tokens included)."""
