@@ -33,7 +33,8 @@
 # the earlier cases' JSON, and this script then prints the report from it.
 #
 # Knobs (environment): OUT (default /tmp/laya-gpu-out), WORK (/tmp/laya-gpu), SITE (/tmp/site),
-# BUDGET_S, BUNDLES ("bf16 fast fp32": drop fp32, the last case, to save build time), and for a
+# BUDGET_S, BUNDLES ("bf16 fast fast16 fp32": drop fp32, the last case, to save build time), CASES
+# (a subset of laya_gpu.py's cases, e.g. "laya ort-fast-graph ort-fast16-graph"), and for a
 # dry run on a CPU machine SIZE (full), DEVICE (cuda), REQUESTS (200):
 #   SIZE=tiny DEVICE=cpu REQUESTS=3 bash benchmarks/gpu/h200_run.sh
 set -u
@@ -46,6 +47,7 @@ DEVICE=${DEVICE:-cuda}
 REQUESTS=${REQUESTS:-200}
 SITE=${SITE:-/tmp/site}
 BUNDLES=${BUNDLES:-bf16 fast fast16 fp32}
+CASES=${CASES:-}  # laya_gpu.py's --cases (empty: all of them)
 REPO=$PWD
 OUT=${OUT:-/tmp/laya-gpu-out}
 WORK=${WORK:-/tmp/laya-gpu}
@@ -158,7 +160,7 @@ timeout -k 5 "$STOP" python3 benchmarks/laya_gpu.py --device "$DEVICE" --size "$
   --checkpoint "$CHECKPOINT" --requests "$REQUESTS" \
   --bundle bf16="$WORK/bundle-bf16" --bundle fast="$WORK/bundle-fast" --bundle fast16="$WORK/bundle-fast16" \
   --bundle fp32="$WORK/bundle-fp32" \
-  --time-budget "$LEFT" --json "$JSON" >> "$LOG" 2>&1
+  ${CASES:+--cases $CASES} --time-budget "$LEFT" --json "$JSON" >> "$LOG" 2>&1
 RC=$?
 log "== laya_gpu.py: exit $RC"
 
