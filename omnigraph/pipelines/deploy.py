@@ -35,7 +35,9 @@ from omnigraph.pipelines.config import (
     StagePipelineConfig,
 )
 from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
-from omnigraph.workers.route import DEFAULT_CUDA_GRAPH_MAX_ROWS, MAX_SPIN_WAIT_US
+from omnigraph.workers.route import (
+    DEFAULT_CUDA_GRAPH_MAX_ROWS, DEFAULT_MAX_CUDA_GRAPHS, MAX_CUDA_GRAPHS_LIMIT, MAX_SPIN_WAIT_US,
+)
 from omnigraph.workers.wire import SPIN_WAIT_US
 
 GRAPH_BACKEND = "external.graph.v1"
@@ -69,6 +71,7 @@ class RouteConfig(_Strict):
     provider_options: dict[str, str | int | float | bool] = Field(default_factory=dict)
     enable_cuda_graph: bool = False
     cuda_graph_max_rows: int = Field(default=DEFAULT_CUDA_GRAPH_MAX_ROWS, ge=1)
+    max_cuda_graphs: int = Field(default=DEFAULT_MAX_CUDA_GRAPHS, ge=1, le=MAX_CUDA_GRAPHS_LIMIT)
     intra_op_num_threads: int | None = Field(default=None, ge=1)
     spin_wait_us: int = Field(default=SPIN_WAIT_US, ge=0, le=MAX_SPIN_WAIT_US)
 

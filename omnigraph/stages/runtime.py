@@ -70,6 +70,7 @@ def worker_route(stage: StageDeployConfig) -> WorkerRoute:
         os_domain=route.os_domain,
         enable_cuda_graph=route.enable_cuda_graph,
         cuda_graph_max_rows=route.cuda_graph_max_rows,
+        max_cuda_graphs=route.max_cuda_graphs,
         gpu_mem_limit=vram or None,
         intra_op_num_threads=route.intra_op_num_threads,
         spin_wait_us=route.spin_wait_us,

@@ -38,8 +38,6 @@ ONNX_TO_WIRE = {
     "tensor(double)": "float64",
 }
 _BFLOAT16 = 16  # onnx.TensorProto.BFLOAT16
-# Why: each captured CUDA graph pins its buffers; a few buckets cover a stage's batch shapes.
-MAX_CUDA_GRAPHS = 4
 # ORT's run option naming the CUDA graph to capture / replay; -1 runs without one.
 GPU_GRAPH_ID = "gpu_graph_id"
 _FALLBACK_DISABLED = "fallback to CPU EP has been explicitly disabled"
@@ -154,7 +152,7 @@ class GraphSession:
         key = tuple(arrays[name].shape for name in self._input_wire)
         slot = self._cuda_graph_slots.get(key)
         capturable = all(not shape or shape[0] <= self._route.cuda_graph_max_rows for shape in key)
-        if slot is None and capturable and len(self._cuda_graph_slots) < MAX_CUDA_GRAPHS:
+        if slot is None and capturable and len(self._cuda_graph_slots) < self._route.max_cuda_graphs:
             slot = self._new_cuda_graph_slot(arrays, graph_id=len(self._cuda_graph_slots))
             self._cuda_graph_slots[key] = slot
         options = ort.RunOptions()

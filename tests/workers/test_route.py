@@ -62,6 +62,8 @@ def test_json_round_trip():
     ({"shm_threshold_bytes": 0}, "shm_threshold_bytes"),
     ({"spin_wait_us": -1}, "spin_wait_us"),
     ({"cuda_graph_max_rows": 0}, "cuda_graph_max_rows"),
+    ({"max_cuda_graphs": 0}, "max_cuda_graphs"),
+    ({"max_cuda_graphs": 257}, "max_cuda_graphs"),
     ({"spin_wait_us": 100_001}, "spin_wait_us"),
     ({"spin_wait_us": 0.5}, "spin_wait_us"),
 ])
