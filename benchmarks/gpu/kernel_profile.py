@@ -28,12 +28,12 @@ LAYA_GPU = Path(__file__).resolve().parents[1] / "laya_gpu.py"  # the requests e
 
 # Kernel name fragments -> the operator family they belong to (first match wins).
 FAMILIES = (
-    ("omnigraph attention", ("attention", "attn")),
-    ("omnigraph geglu", ("geglu",)),
-    ("layernorm", ("layernorm", "layer_norm", "LayerNorm")),
-    ("gemm", ("gemm", "Gemm", "cutlass", "xmma", "sm90", "nvjet", "cublas")),
+    ("attention", ("Attention", "attention", "Attn", "attn", "Fmha", "fmha")),
+    ("geglu / gelu", ("Geglu", "geglu", "Gelu", "gelu")),
+    ("layernorm", ("LayerNorm", "layernorm", "layer_norm")),
+    ("gemm", ("gemm", "Gemm", "cutlass", "xmma", "sm90", "nvjet", "cublas", "splitK")),
     ("softmax", ("softmax", "Softmax")),
-    ("copy / cast", ("Cast", "cast", "Copy", "copy", "memcpy", "Memcpy", "Transpose", "transpose")),
+    ("copy / cast / transpose", ("Cast", "cast", "Copy", "copy", "memcpy", "Memcpy", "Transpose", "transpose")),
 )
 
 
