@@ -8,7 +8,7 @@ kernel the process launches, ORT's and the omnigraph op library's included. Per 
 outputs), the summed kernel time per forward (the GPU's busy time), and the kernels ranked by time.
 
     python3 benchmarks/gpu/kernel_profile.py --checkpoint CK --bundle fast=DIR [--bundle bf16=DIR ...]
-        [--lengths 64 176 512] [--runs 30] [--json PATH]
+        [--lengths 64 176 512] [--runs 30] [--rows 1] [--json PATH]
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def family(name: str) -> str:
     return "other elementwise / gather"
 
 
-def profile_bundle(name: str, bundle: Path, checkpoint: Path, lengths: list[int], runs: int) -> list[dict]:
+def profile_bundle(name: str, bundle: Path, checkpoint: Path, lengths: list[int], runs: int, batch_rows: int) -> list[dict]:
     import numpy as np
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -64,6 +64,7 @@ def profile_bundle(name: str, bundle: Path, checkpoint: Path, lengths: list[int]
     rows = []
     for requests in laya_gpu.build_requests(checkpoint, tuple(lengths)):
         (work,) = processor.prepare(requests.timed).work
+        work = {key: np.repeat(value, batch_rows, axis=0) for key, value in work.items()}  # the row, repeated
         dtypes = {key: ("bool" if value.dtype == np.bool_ else str(value.dtype)) for key, value in work.items()}
         for _ in range(5):
             session.run(work, dtypes)
@@ -81,23 +82,24 @@ def profile_bundle(name: str, bundle: Path, checkpoint: Path, lengths: list[int]
         for event in prof.events():
             if "CUDA" in str(event.device_type):  # a kernel (or a copy) on the GPU: its own time range
                 kernels.setdefault(event.name, []).append(float(event.time_range.elapsed_us()))
+        case = f"{name} L{requests.length}" + (f" x{batch_rows} rows" if batch_rows > 1 else "")
         per_forward = {kernel: sum(times) / runs for kernel, times in kernels.items()}
         busy_us = sum(per_forward.values())
         families: dict[str, float] = {}
         for kernel, us in per_forward.items():
             families[family(kernel)] = families.get(family(kernel), 0.0) + us
-        base = {"bundle": name, "length": requests.length, "tokens": requests.tokens, "runs": runs,
+        base = {"bundle": name, "length": requests.length, "tokens": requests.tokens, "rows": batch_rows, "runs": runs,
                 "placement": dict(report.placement.nodes_by_provider)}
-        rows.append({**base, "case": f"{name} L{requests.length}", "metric": "wall_p50_ms",
+        rows.append({**base, "case": case, "metric": "wall_p50_ms",
                      "value": round(statistics.median(walls), 4), "unit": "ms"})
-        rows.append({**base, "case": f"{name} L{requests.length}", "metric": "gpu_busy_ms",
+        rows.append({**base, "case": case, "metric": "gpu_busy_ms",
                      "value": round(busy_us / 1e3, 4), "unit": "ms", "kernels_per_forward":
                      round(sum(len(t) for t in kernels.values()) / runs, 1)})
         for label, us in sorted(families.items(), key=lambda item: -item[1]):
-            rows.append({**base, "case": f"{name} L{requests.length}", "metric": f"family {label}",
+            rows.append({**base, "case": case, "metric": f"family {label}",
                          "value": round(us, 1), "unit": "us"})
         for kernel, us in sorted(per_forward.items(), key=lambda item: -item[1])[:12]:
-            rows.append({**base, "case": f"{name} L{requests.length}", "metric": "kernel", "kernel": kernel[:160],
+            rows.append({**base, "case": case, "metric": "kernel", "kernel": kernel[:160],
                          "calls_per_forward": round(len(kernels[kernel]) / runs, 1), "value": round(us, 1), "unit": "us"})
     return rows
 
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bundle", action="append", required=True, help="NAME=DIR (repeatable)")
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 176, 512])
     parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--rows", type=int, default=1, help="rows per forward (the request's row repeated)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     import torch
@@ -120,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.bundle:
         name, _, path = spec.partition("=")
         try:
-            rows += profile_bundle(name, Path(path), args.checkpoint, args.lengths, args.runs)
+            rows += profile_bundle(name, Path(path), args.checkpoint, args.lengths, args.runs, args.rows)
         except Exception as error:  # one bundle failing leaves the others to run
             rows.append({"case": name, "metric": "status", "value": "error", "unit": "",
                          "detail": f"{type(error).__name__}: {error}"})
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.write_text(json.dumps([{**row, **identity} for row in rows], indent=2) + "\n")
     for row in rows:
         extra = f"  x{row['calls_per_forward']}  {row['kernel']}" if row.get("kernel") else ""
-        print(f"{row['case']:<14} {row['metric']:<32} {row['value']!s:>10} {row['unit']}{extra}")
+        print(f"{row['case']:<24} {row['metric']:<32} {row['value']!s:>10} {row['unit']}{extra}")
     return 0
 
 
