@@ -13,7 +13,7 @@ import types
 import numpy as np
 import pytest
 
-from omnigraph.pipelines.laya.decoding import Calibration, decode_answer, temperature_bucket
+from omnigraph.pipelines.laya.decoding import Calibration, act_probabilities, decode_answer, temperature_bucket
 from omnigraph.pipelines.laya.request import RequestLimits, parse_request
 
 TEMPERATURE = [1.2, 0.9, 1.5]
@@ -108,8 +108,9 @@ def test_answers_equal_the_reference_decoder_on_random_logits():
     act = torch.softmax(torch.from_numpy(act_logits), -1).numpy()
     expected = Agent._decode_answers(reference_self, logits, act, items, list(questions), internal, 0)
 
+    acts = act_probabilities(act_logits)
     for row, question in enumerate(parsed):
-        answer = decode_answer(question, logits[row], act_logits[row], CALIBRATION)
+        answer = decode_answer(question, logits[row], acts[row], CALIBRATION)
         assert answer == expected[question.qid]
         assert list(answer) == list(expected[question.qid])  # field order too
 
@@ -119,7 +120,7 @@ def test_padding_slots_never_reach_the_softmax():
         "type": "choice", "instructions": "x", "criteria": ["a", "b", "c"]}}}).questions[0]
     row = np.array([1.0, 2.0, 0.5], dtype=np.float32)
     padded = np.concatenate([row, np.array([50.0, -1e4], dtype=np.float32)])
-    act = np.array([0.3, -0.2], dtype=np.float32)
+    act = act_probabilities(np.array([0.3, -0.2], dtype=np.float32))
     assert decode_answer(question, padded, act, CALIBRATION) == decode_answer(question, row, act, CALIBRATION)
 
 
@@ -130,7 +131,7 @@ def test_choice_score_and_noul_fields():
         "n": {"type": "noul", "instructions": "x"},
         "one": {"type": "choice", "instructions": "x", "criteria": ["only"]},
     }}).questions
-    act = np.array([0.0, 0.0], dtype=np.float32)
+    act = act_probabilities(np.array([0.0, 0.0], dtype=np.float32))
     choice = decode_answer(parsed[0], np.array([2.0, 2.0], dtype=np.float32), act, CALIBRATION)
     assert choice["choice"] == "a" and choice["probabilities"] == {"a": 0.5, "b": 0.5}
     assert choice["confidence"] == 0.0 and choice["action"] == {"act_probability": 0.5}
@@ -142,7 +143,7 @@ def test_choice_score_and_noul_fields():
     assert score["legend"] == {"0": "low", "1": "mid", "2": "high"}
 
     noul = decode_answer(parsed[2], np.array([0.0, 1.5], dtype=np.float32),
-                         np.array([3.0, 0.0], dtype=np.float32), CALIBRATION)
+                         act_probabilities(np.array([3.0, 0.0], dtype=np.float32)), CALIBRATION)
     p_true = 1.0 / (1.0 + math.exp(-1.0))                         # 1.5 / T(noul) = 1.0
     assert noul == {"type": "noul", "noul": round(p_true, 4), "confidence": round(p_true, 4),
                     "answer_confidence": round(p_true, 4),

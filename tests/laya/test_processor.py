@@ -122,13 +122,16 @@ MEMO_REQUESTS = [
 
 
 def test_remembered_encodings_build_the_same_tensors_as_cold_ones(laya_tiny_bundle, monkeypatch):
-    """State pieces, question heads and options come from the tokenizer's memos once seen; the
-    tensors (ids, masks, marker positions) are bit-identical to a processor that remembers nothing."""
+    """State pieces, head and option texts come from the tokenizer's memos once seen, question
+    heads from the processor's; the tensors (ids, masks, marker positions) are bit-identical to a
+    processor that remembers nothing."""
+    from omnigraph.pipelines.laya import processor as processor_module
     from omnigraph.pipelines.laya import sequence
 
     warm = LayaProcessor({0: laya_tiny_bundle})
     monkeypatch.setattr(sequence, "_MEMO_ENTRIES", 0)
     monkeypatch.setattr(sequence, "_PIECE_MEMO_ENTRIES", 0)
+    monkeypatch.setattr(processor_module, "_HEAD_MEMO_MAX_CHARS", -1)
     cold = LayaProcessor({0: laya_tiny_bundle})
     for _ in range(2):  # the second round from the warm processor's memos
         for request in MEMO_REQUESTS:
@@ -139,8 +142,22 @@ def test_remembered_encodings_build_the_same_tensors_as_cold_ones(laya_tiny_bund
                 assert got_item.keys() == expected_item.keys()
                 for name, array in expected_item.items():
                     assert got_item[name].dtype == array.dtype and np.array_equal(got_item[name], array), name
-    assert warm._tokenizer._pieces.ids and warm._tokenizer._texts.ids
-    assert not cold._tokenizer._pieces.ids and not cold._tokenizer._texts.ids
+    assert warm._tokenizer._pieces.ids and warm._tokenizer._texts.ids and warm._heads
+    assert not cold._tokenizer._pieces.ids and not cold._tokenizer._texts.ids and not cold._heads
+
+
+def test_the_memo_of_question_heads_stays_bounded(laya_tiny_bundle, monkeypatch):
+    from omnigraph.pipelines.laya import processor as processor_module
+
+    monkeypatch.setattr(processor_module, "_HEAD_MEMO_ENTRIES", 2)
+    processor = LayaProcessor({0: laya_tiny_bundle})
+    for text in ("Refund?", "Angry?", "Late?"):
+        processor.prepare({"state": "x", "questions": {"q": {"type": "noul", "instructions": text}}})
+        assert len(processor._heads) <= 2
+    assert [key[1] for key in processor._heads] == ["Late?"]  # full after two: it started over
+    long_question = {"type": "noul", "instructions": "refund " * 300}
+    processor.prepare({"state": "x", "questions": {"q": long_question}})
+    assert all(key[1] != long_question["instructions"] for key in processor._heads)  # too long to keep
 
 
 def test_a_request_without_questions_needs_no_forward_pass(processor):

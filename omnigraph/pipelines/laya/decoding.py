@@ -20,7 +20,8 @@ import numpy as np
 from omnigraph.pipelines.decoding import DECIMALS, question_answer, softmax, to_option_order
 from omnigraph.pipelines.laya.request import QUESTION_TYPES, Question
 
-__all__ = ["TEMPERATURE_MIN", "TEMPERATURE_MAX", "Calibration", "temperature_bucket", "decode_answer"]
+__all__ = ["TEMPERATURE_MIN", "TEMPERATURE_MAX", "Calibration", "temperature_bucket", "act_probabilities",
+           "decode_answer"]
 
 #: Fitted temperatures are confined to this range (``laya.common.clamp_temperature``).
 TEMPERATURE_MIN = 0.5
@@ -74,9 +75,15 @@ class Calibration:
                                                self.temperature[QUESTION_TYPES[qtype]])
 
 
-def decode_answer(question: Question, logits: np.ndarray, act_logits: np.ndarray,
+def act_probabilities(act_logits: np.ndarray) -> np.ndarray:
+    """Each row's ``act_probability``, ``softmax(act_logits)[:, 0]`` over ``[rows, 2]`` logits, in
+    float32: the reference's softmax over its batch, once for all rows of a work item."""
+    return softmax(np.asarray(act_logits, dtype=np.float32))[..., 0]
+
+
+def decode_answer(question: Question, logits: np.ndarray, act_probability: float,
                   calibration: Calibration) -> dict[str, Any]:
-    """The answer to ``question`` from its ``k`` slot logits and its two action logits.
+    """The answer to ``question`` from its ``k`` slot logits and its row's ``act_probabilities``.
 
     The logits come in slot order; the probabilities are put back in option order first, so
     every field (and a tie's winner) is per option.
@@ -85,6 +92,5 @@ def decode_answer(question: Question, logits: np.ndarray, act_logits: np.ndarray
     row = np.asarray(logits, dtype=np.float32)[:k]
     p = to_option_order(softmax(row / calibration.temperature_for(question.qtype, k)), question.slot_order)
     answer = question_answer(question, p)
-    answer["action"] = {"act_probability": round(float(softmax(np.asarray(act_logits, dtype=np.float32))[0]),
-                                                 DECIMALS)}
+    answer["action"] = {"act_probability": round(float(act_probability), DECIMALS)}
     return answer

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 
 from omnigraph.pipelines.decoding import decision_response
-from omnigraph.pipelines.laya.decoding import Calibration, decode_answer
+from omnigraph.pipelines.laya.decoding import Calibration, act_probabilities, decode_answer
 from omnigraph.pipelines.laya.request import DecisionRequest, Question, RequestLimits, parse_request
 from omnigraph.pipelines.laya.sequence import (
-    OPTION_TOKEN_LIMIT, PROMPT_TEMPLATE, BatchLayout, LayaTokenizer, Row, build_row, collate, pack_batches,
+    OPTION_TOKEN_LIMIT, PROMPT_TEMPLATE, BatchLayout, Head, LayaTokenizer, Row, build_head, collate, head_row,
+    pack_batches,
 )
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid
 
@@ -42,6 +43,12 @@ WARMUP_REQUEST = {
     "state": "Please refund the duplicate charge.",
     "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
 }
+
+#: Question heads the processor remembers (keyed by what a head depends on: type, instructions,
+#: options, slot order), at most this many, each of questions of at most this many characters;
+#: once full it starts over.
+_HEAD_MEMO_ENTRIES = 4096
+_HEAD_MEMO_MAX_CHARS = 2048
 
 
 @dataclass(frozen=True)
@@ -78,11 +85,6 @@ def _batch_layout(layout: Mapping[str, Any], tokenizer: LayaTokenizer, bundle: V
         raise ValueError(f"{where}: layout: {exc}") from None
 
 
-def _real_rows(tensors: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
-    """The collated batch without its padding rows: the batch adapter pads the merged call's rows."""
-    return {name: array[:rows] for name, array in tensors.items()}
-
-
 class LayaProcessor:
     """Validates, tokenizes and batches Laya decisions, and decodes the graph's outputs."""
 
@@ -104,6 +106,8 @@ class LayaProcessor:
                                      max_rows=max_rows, max_marker_slots=max_marker_slots)
         self._calibration = Calibration.from_metadata(metadata.calibration or {})
         self._limits = limits
+        self._heads: dict[tuple, Head] = {}
+        self._head_memo_limits = (_HEAD_MEMO_ENTRIES, _HEAD_MEMO_MAX_CHARS)
         self._audit = {
             "model_hash": self._bundle.manifest_sha256,
             "calibration_version": self._calibration.version,
@@ -125,14 +129,14 @@ class LayaProcessor:
         state_ids = self._tokenizer.encode(decision.state_text)
         rows = [self._row(question, state_ids, decision.truncate_left) for question in decision.questions]
         batches = tuple(pack_batches(rows, self._layout))
-        work = tuple(_real_rows(collate([rows[i] for i in batch], self._layout), len(batch)) for batch in batches)
+        work = tuple(collate([rows[i] for i in batch], self._layout) for batch in batches)
         context = LayaContext(request=decision, batches=batches,
                               row_tokens=tuple(len(row.ids) for row in rows))
         return PreparedRequest(work=work, context=context)
 
     def _row(self, question: Question, state_ids: list[int], truncate_left: bool) -> Row:
-        row = build_row(self._tokenizer, question, state_ids, truncate_left=truncate_left,
-                        max_len=self._layout.max_len, head_max_len=self._layout.head_max_len)
+        row = head_row(self._head(question), state_ids, sep_id=self._tokenizer.sep_id,
+                       truncate_left=truncate_left, max_len=self._layout.max_len)
         if len(row.markers) != len(question.options):
             raise RequestInvalid(
                 f"questions.{question.qid}.criteria",
@@ -140,6 +144,20 @@ class LayaProcessor:
                 f"max_len={self._layout.max_len} with head_max_len={self._layout.head_max_len}; "
                 f"use fewer or shorter options")
         return row
+
+    def _head(self, question: Question) -> Head:
+        """The question's head, remembered (the same questions come again and again); reads and
+        writes of one dict need no lock."""
+        key = (question.qtype, question.instructions, question.options, question.slot_order)
+        head = self._heads.get(key)
+        if head is None:
+            head = build_head(self._tokenizer, question, head_max_len=self._layout.head_max_len)
+            entries, max_chars = self._head_memo_limits
+            if len(self._heads) >= entries:
+                self._heads.clear()
+            if len(question.instructions) + sum(map(len, question.options)) <= max_chars:
+                self._heads[key] = head
+        return head
 
     def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict:
         """The response: each question decoded on its own row and options, padding dropped."""
@@ -151,9 +169,9 @@ class LayaProcessor:
         answers: list[dict] = [{} for _ in questions]
         for item, (work, output, batch) in enumerate(zip(prepared.work, outputs, context.batches)):
             logits, act_logits = self._checked_outputs(item, work, output)
+            acts = act_probabilities(act_logits)
             for row, index in enumerate(batch):
-                answers[index] = decode_answer(questions[index], logits[row], act_logits[row],
-                                               self._calibration)
+                answers[index] = decode_answer(questions[index], logits[row], acts[row], self._calibration)
         return decision_response(context.request.model or DEFAULT_MODEL_NAME, [q.qid for q in questions], answers,
                                  context.row_tokens)
 

@@ -297,5 +297,6 @@ def _json_text(value: Any, path: str, separators: tuple[str, str] | None) -> str
 
 
 def _refuse_surrogates(value: Any, path: str) -> None:
-    if isinstance(value, str) and _LONE_SURROGATE.search(value):
+    # str.isascii() reads a flag CPython keeps on every string: most texts need no search.
+    if isinstance(value, str) and not value.isascii() and _LONE_SURROGATE.search(value):
         raise RequestInvalid(path, "contains an unpaired surrogate, which cannot be encoded as UTF-8")

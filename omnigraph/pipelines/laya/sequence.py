@@ -8,10 +8,11 @@ row, the state cut right, or left for a list of turns) reproduce
 ``tokenizer.json`` through the ``tokenizers`` library the way a transformers fast tokenizer
 does with ``add_special_tokens=False``.
 
-Rows are then grouped into forward batches and padded to a few fixed shapes (rows to a power of
-two, lengths to a multiple of 16, or 64 above 256, markers to a power of two) so a graph runtime
-sees a small set of shapes: padding rows repeat the batch's last row and are dropped by
-``finish``; padded tokens have ``attention_mask`` 0 and padded markers ``marker_mask`` False.
+Rows are then grouped into forward batches and padded to a few fixed shapes (lengths to a
+multiple of 16, or 64 above 256, markers to a power of two; the stage's batch adapter pads a
+call's rows to a power of two where the runtime needs fixed shapes) so a graph runtime sees a
+small set of shapes: padded tokens have ``attention_mask`` 0 and padded markers ``marker_mask``
+False.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ __all__ = [
     "PROMPT_TEMPLATE",
     "BatchLayout",
     "LayaTokenizer",
+    "Head",
     "Row",
+    "build_head",
     "build_row",
+    "head_row",
     "pack_batches",
     "collate",
 ]
@@ -255,13 +259,18 @@ class Row:
     qtype: int
 
 
-def build_row(tok: LayaTokenizer, question: Question, state_ids: Sequence[int], *,
-              truncate_left: bool, max_len: int, head_max_len: int) -> Row:
-    """The question's row, as ``laya.common.build_sequence`` lays it out.
+@dataclass(frozen=True)
+class Head:
+    """A question's part of its row, the same whatever the state: ``[CLS] instructions [SEP]
+    ([MASK] option)* [SEP]``, and the position of each slot's marker."""
 
-    Markers that fall past ``max_len`` are dropped, as the reference drops them; the caller
-    refuses a question that lost any.
-    """
+    ids: tuple[int, ...]
+    markers: tuple[int, ...]
+    qtype: int
+
+
+def build_head(tok: LayaTokenizer, question: Question, *, head_max_len: int) -> Head:
+    """The question's head, as ``laya.common.build_head`` cuts it to ``head_max_len``."""
     head = tok.encode_head(f"{question.qtype} question: {question.instructions}")
     slots = [question.options[i] for i in question.slot_order]
     options = [(tok.mask_id, *ids) for ids in tok.encode_options(slots)]
@@ -276,12 +285,29 @@ def build_row(tok: LayaTokenizer, question: Question, state_ids: Sequence[int], 
         markers.append(len(ids))
         ids.extend(option)
     ids.append(tok.sep_id)
-    room = max(0, max_len - len(ids) - 1)
+    return Head(ids=tuple(ids), markers=tuple(markers), qtype=QUESTION_TYPES[question.qtype])
+
+
+def head_row(head: Head, state_ids: Sequence[int], *, sep_id: int, truncate_left: bool, max_len: int) -> Row:
+    """The row of a question's head and the state, as ``laya.common.build_sequence`` lays it out:
+    the state cut to the room left (its newest tokens kept when ``truncate_left``), then ``[SEP]``.
+
+    Markers that fall past ``max_len`` are dropped, as the reference drops them; the caller
+    refuses a question that lost any.
+    """
+    room = max(0, max_len - len(head.ids) - 1)
     state = state_ids[max(0, len(state_ids) - room):] if truncate_left else state_ids[:room]
-    ids.extend(state)
-    ids.append(tok.sep_id)
-    return Row(ids=tuple(ids[:max_len]), markers=tuple(m for m in markers if m < max_len),
-               qtype=QUESTION_TYPES[question.qtype])
+    ids = (*head.ids, *state, sep_id)
+    if len(ids) <= max_len:
+        return Row(ids=ids, markers=head.markers, qtype=head.qtype)
+    return Row(ids=ids[:max_len], markers=tuple(m for m in head.markers if m < max_len), qtype=head.qtype)
+
+
+def build_row(tok: LayaTokenizer, question: Question, state_ids: Sequence[int], *,
+              truncate_left: bool, max_len: int, head_max_len: int) -> Row:
+    """The question's row: ``build_head`` then ``head_row``."""
+    return head_row(build_head(tok, question, head_max_len=head_max_len), state_ids, sep_id=tok.sep_id,
+                    truncate_left=truncate_left, max_len=max_len)
 
 
 def _next_power_of_two(n: int) -> int:
@@ -339,16 +365,16 @@ def pack_batches(rows: Sequence[Row], layout: BatchLayout) -> list[tuple[int, ..
 
 
 def collate(rows: Sequence[Row], layout: BatchLayout) -> dict[str, np.ndarray]:
-    """The decision graph's inputs for ``rows``, padded to the layout's buckets."""
-    n = layout.rows_bucket(len(rows))
-    padded = [*rows, *[rows[-1]] * (n - len(rows))]
+    """The decision graph's inputs for ``rows``, padded in length and marker slots to the layout's
+    buckets; the rows stay as they are (the stage's batch adapter pads a call's rows)."""
+    n = len(rows)
     length = layout.length_bucket(max(len(r.ids) for r in rows))
     width = layout.markers_bucket(max(len(r.markers) for r in rows))
     input_ids = np.full((n, length), layout.pad_id, dtype=np.int64)
     attention_mask = np.zeros((n, length), dtype=np.int64)
     marker_pos = np.zeros((n, width), dtype=np.int64)
     marker_mask = np.zeros((n, width), dtype=bool)
-    for i, row in enumerate(padded):
+    for i, row in enumerate(rows):
         input_ids[i, :len(row.ids)] = row.ids
         attention_mask[i, :len(row.ids)] = 1
         marker_pos[i, :len(row.markers)] = row.markers
@@ -358,5 +384,5 @@ def collate(rows: Sequence[Row], layout: BatchLayout) -> dict[str, np.ndarray]:
         "attention_mask": attention_mask,
         "marker_pos": marker_pos,
         "marker_mask": marker_mask,
-        "qtype": np.array([row.qtype for row in padded], dtype=np.int64),
+        "qtype": np.array([row.qtype for row in rows], dtype=np.int64),
     }

@@ -1,0 +1,225 @@
+"""The host (CPU) cost of a Laya decision, stage by stage: what the controller spends per request
+besides the graph (issues 5, 7, 9).
+
+    python benchmarks/laya_host.py [--sizes tiny small] [--json PATH] [--calls N]
+
+For each synthetic checkpoint's tokenizer and each state length (rows of about 64, 176 and 512
+tokens, as benchmarks/laya_gpu.py builds them), two requests: `1q` (one noul question, the GPU
+benchmarks' timed request) and `3q` (noul, 3-option choice and 3-level score). Each stage is
+called many times in a row and the median call is reported (microseconds of wall time on one
+thread; the calls are CPU-bound, so this is their CPU cost):
+
+- `validate`: `parse_request` (the request checked whole, options rendered);
+- `tokenize state`: `LayaTokenizer.encode` of the state text (`tokenize new state`: a state whose
+  every word is new each call, a number appended, so no memo helps);
+- `build rows`: `build_row` of each question (head and option texts from the tokenizer's memo; the
+  processor also remembers whole question heads, so its own rows cost less);
+- `collate`: `pack_batches` and `collate` of the rows into the request's work tensors;
+- `prepare`: `LayaProcessor.prepare`, all of the above (`prepare cold`: every request asks a
+  question text never seen before, so its head is tokenized too);
+- `finish`: `LayaProcessor.finish` on graph-shaped outputs (decoding, the response);
+- `adapter put`: the batch adapter's `group` + `footprint` of one work item (the stage queue's
+  per-item cost); `adapter pack N` / `adapter unpack N`: one call of N one-row work items of the
+  `1q` request (cpu: rows as they come; cuda-graph: rows padded to their power-of-two bucket), its
+  cost per call and per row.
+
+Stages run in the order above in blocks that take turns over several rounds, so other load on the
+machine falls on all alike; to compare two trees run the script with each tree first on
+PYTHONPATH, alternating.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import itertools
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+# Run as a script, this folder is sys.path[0], where benchmarks/http.py shadows the standard
+# library's `http`.
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    del sys.path[0]
+
+import numpy as np
+
+LENGTHS = (64, 176, 512)
+PACK_ITEMS = (1, 8, 32)
+ROUNDS = 5
+WARMUP = 3  # untimed calls before each round of a stage
+
+
+def _harness() -> Any:
+    """benchmarks/laya_gpu.py, whose request builder and identity helpers this script shares."""
+    spec = importlib.util.spec_from_file_location("laya_gpu", Path(__file__).with_name("laya_gpu.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["laya_gpu"] = module  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def median_us(call: Callable[[], Any], calls: int, rounds_out: list[list[float]]) -> None:
+    """Time `calls` calls of `call` (after a few untimed ones) into a new list of rounds_out."""
+    for _ in range(WARMUP):
+        call()
+    samples = []
+    clock = time.perf_counter_ns
+    for _ in range(calls):
+        started = clock()
+        call()
+        samples.append((clock() - started) / 1000.0)
+    rounds_out.append(samples)
+
+
+def fake_outputs(work: list[dict[str, np.ndarray]], rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
+    """Graph-shaped outputs of each work item: random logits, -1e4 on padded marker slots."""
+    outputs = []
+    for item in work:
+        logits = rng.normal(0, 2, item["marker_pos"].shape).astype(np.float32)
+        logits[~item["marker_mask"]] = -1e4
+        outputs.append({"logits": logits, "act_logits": rng.normal(0, 2, (len(item["qtype"]), 2)).astype(np.float32)})
+    return outputs
+
+
+def new_words(text: str, count: int) -> Iterator[str]:
+    """`count` copies of `text`, each with every word new to the tokenizer's memos (a number
+    appended, different in each copy): the state tokenization's worst case."""
+    words = text.split(" ")
+    return iter([" ".join(f"{word}{n}" for word in words) for n in range(count)])
+
+
+def stage_calls(size: str, seed: int, harness: Any,
+                texts_per_case: int) -> list[tuple[dict[str, Any], Callable[[], Any]]]:
+    """(row identity, call) of every stage for one checkpoint size; `texts_per_case`: how many
+    calls a case gets in all (the new states are built before the timing)."""
+    from omnigraph.bundles import verify_bundle
+    from omnigraph.pipelines.laya.batching import LayaBatchAdapter
+    from omnigraph.pipelines.laya.export import cached_bundle
+    from omnigraph.pipelines.laya.processor import LayaProcessor
+    from omnigraph.pipelines.laya.request import parse_request
+    from omnigraph.pipelines.laya.sequence import LayaTokenizer, build_row, collate, pack_batches
+    from omnigraph.pipelines.laya.synth import cached_checkpoint
+    from omnigraph.workers.route import WorkerRoute
+
+    checkpoint = cached_checkpoint(size, seed=seed)
+    bundle = verify_bundle(cached_bundle(checkpoint))
+    processor = LayaProcessor({0: bundle})
+    layout = processor.layout
+    tokenizer = LayaTokenizer(bundle.file("tokenizer.json"), bundle.file("tokenizer_config.json"))
+    adapters = {route: LayaBatchAdapter(bundle, WorkerRoute(name=route, interpreter=sys.executable, **options))
+                for route, options in (("cpu", {}), ("cuda-graph", {"ep": "cuda", "enable_cuda_graph": True}))}
+    rng = np.random.default_rng(0)
+    calls: list[tuple[dict[str, Any], Callable[[], Any]]] = []
+    for requests in harness.build_requests(checkpoint, LENGTHS):
+        for kind, request in (("1q", requests.timed), ("3q", requests.drift)):
+            ident = {"size": size, "length": requests.length, "tokens": requests.tokens, "request": kind}
+            decision = parse_request(request)
+            state_ids = tokenizer.encode(decision.state_text)
+
+            def rows(decision=decision, state_ids=state_ids) -> list:
+                return [build_row(tokenizer, question, state_ids, truncate_left=decision.truncate_left,
+                                  max_len=layout.max_len, head_max_len=layout.head_max_len)
+                        for question in decision.questions]
+
+            built = rows()
+
+            def collated(built=built) -> list:
+                return [collate([built[i] for i in batch], layout) for batch in pack_batches(built, layout)]
+
+            fresh = iter(range(10**9))
+
+            def prepare_cold(request=request) -> Any:
+                questions = {qid: {**question, "instructions": f"{question['instructions']} #{next(fresh)}"}
+                             for qid, question in request["questions"].items()}
+                return processor.prepare({**request, "questions": questions})
+
+            prepared = processor.prepare(request)
+            outputs = fake_outputs(list(prepared.work), rng)
+            calls += [
+                ({**ident, "case": "validate"}, lambda request=request: parse_request(request)),
+                ({**ident, "case": "tokenize state"}, lambda text=decision.state_text: tokenizer.encode(text)),
+                ({**ident, "case": "build rows"}, rows),
+                ({**ident, "case": "collate"}, collated),
+                ({**ident, "case": "prepare"}, lambda request=request: processor.prepare(request)),
+                ({**ident, "case": "prepare cold"}, prepare_cold),
+                ({**ident, "case": "finish"}, lambda prepared=prepared, outputs=outputs: processor.finish(prepared, outputs)),
+            ]
+            if kind != "1q":
+                continue
+            calls.append(({**ident, "case": "tokenize new state"},
+                          lambda texts=new_words(decision.state_text, texts_per_case): tokenizer.encode(next(texts))))
+            (item,) = prepared.work
+            for route, adapter in adapters.items():
+                if route == "cpu":
+                    calls.append(({**ident, "case": "adapter put", "route": route},
+                                  lambda adapter=adapter, item=item: (adapter.group(item), adapter.footprint(item))))
+                for n in PACK_ITEMS:
+                    items = [item] * n
+                    packed = adapter.pack(items)
+                    graph_outputs = {"logits": rng.normal(0, 2, packed["marker_pos"].shape).astype(np.float32),
+                                     "act_logits": rng.normal(0, 2, (len(packed["qtype"]), 2)).astype(np.float32)}
+                    pack_ident = {**ident, "route": route, "items": n}
+                    calls.append(({**pack_ident, "case": f"adapter pack {n}"},
+                                  lambda adapter=adapter, items=items: adapter.pack(items)))
+                    calls.append(({**pack_ident, "case": f"adapter unpack {n}"},
+                                  lambda adapter=adapter, items=items, out=graph_outputs: adapter.unpack(out, items)))
+    return calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=["tiny", "small"], help="synthetic checkpoint sizes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--calls", type=int, default=400, help="timed calls per stage and round")
+    parser.add_argument("--rounds", type=int, default=ROUNDS)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import omnigraph
+
+    harness = _harness()
+    texts_per_case = args.rounds * (args.calls + WARMUP)
+    calls = [entry for size in args.sizes for entry in stage_calls(size, args.seed, harness, texts_per_case)]
+    samples: list[list[list[float]]] = [[] for _ in calls]
+    for _ in range(args.rounds):
+        for (_, call), rounds in zip(calls, samples):
+            median_us(call, args.calls, rounds)
+    identity = {
+        "cpu": harness._device_name("cpu"), "cores": os.cpu_count(), "versions": harness._versions(),
+        "omnigraph_path": str(Path(omnigraph.__file__).parent),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["benchmarks/laya_host.py", *(argv if argv is not None else sys.argv[1:])]),
+        "python": platform.python_version(), "load_average": os.getloadavg()[0],
+    }
+    rows = []
+    for (ident, _), rounds in zip(calls, samples):
+        value = float(np.median(np.concatenate(rounds)))
+        rows.append({**ident, "metric": "median_us", "value": round(value, 2), "unit": "us",
+                     "round_median_us": [round(float(np.median(r)), 2) for r in rounds],
+                     "calls": sum(map(len, rounds)), "seed": args.seed, **identity})
+        if "items" in ident:
+            rows.append({**ident, "metric": "median_us_per_row", "value": round(value / ident["items"], 2),
+                         "unit": "us", "seed": args.seed, **identity})
+
+    print(f"{'size':<6} {'tokens':>6} {'req':<3} {'case':<18} {'route':<10} {'median_us':>10} {'per_row':>8}  rounds")
+    for row in rows:
+        if row["metric"] != "median_us":
+            continue
+        per_row = f"{row['value'] / row['items']:.2f}" if "items" in row else ""
+        print(f"{row['size']:<6} {row['tokens']:>6} {row['request']:<3} {row['case']:<18} {row.get('route', ''):<10} "
+              f"{row['value']:>10.2f} {per_row:>8}  {row['round_median_us']}")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
