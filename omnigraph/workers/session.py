@@ -43,14 +43,33 @@ GPU_GRAPH_ID = "gpu_graph_id"
 _FALLBACK_DISABLED = "fallback to CPU EP has been explicitly disabled"
 
 
+# Why: CUDA allocations are 256-byte aligned; tensors packed in one buffer keep that alignment.
+_DEVICE_ALIGNMENT = 256
+
+
+def _packed_offsets(nbytes: list[int]) -> tuple[list[int], int]:
+    """Aligned offsets of tensors of these sizes in one buffer, and the buffer's size."""
+    offsets, total = [], 0
+    for size in nbytes:
+        offsets.append(total)
+        total += -(-size // _DEVICE_ALIGNMENT) * _DEVICE_ALIGNMENT
+    return offsets, max(total, _DEVICE_ALIGNMENT)
+
+
 @dataclass
 class _CudaGraphSlot:
-    """Fixed device buffers of one input shape: a CUDA graph replays on the same addresses."""
+    """Fixed device memory of one input shape: a CUDA graph replays on the same addresses.
+
+    The inputs share one device buffer and the outputs another, so a call costs one copy each way
+    instead of one per tensor (each copy is a synchronous CUDA call)."""
 
     graph_id: int
     binding: ort.IOBinding
-    inputs: dict[str, ort.OrtValue]
-    outputs: dict[str, ort.OrtValue] | None = None
+    staging: np.ndarray                                  # host image of the input buffer
+    device_inputs: ort.OrtValue                          # uint8 [staging.size] on the device
+    input_views: tuple[tuple[str, np.ndarray], ...]      # (name, its bytes inside staging)
+    device_outputs: ort.OrtValue | None = None           # uint8, every output at its offset
+    output_layout: tuple[tuple[int, np.dtype, tuple[int, ...]], ...] = ()  # (offset, dtype, shape)
 
 
 class GraphSession:
@@ -159,36 +178,50 @@ class GraphSession:
         if slot is None:  # too many rows, or more shapes than graphs: run this one uncaptured
             options.add_run_config_entry(GPU_GRAPH_ID, "-1")
             return self._run_io_binding({name: np.ascontiguousarray(arrays[name]) for name in self._input_wire}, options)
-        for name, value in slot.inputs.items():
-            value.update_inplace(np.ascontiguousarray(arrays[name]))
-        if slot.outputs is None:  # first call of this shape: learn the output shapes uncaptured
+        for name, view in slot.input_views:
+            view[:] = np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8)
+        slot.device_inputs.update_inplace(slot.staging)
+        if slot.device_outputs is None:  # first call of this shape: learn the output shapes uncaptured
             options.add_run_config_entry(GPU_GRAPH_ID, "-1")
             for name in self._output_names:
                 slot.binding.bind_output(name, "cuda", self._route.device_id)
             self._session.run_with_iobinding(slot.binding, options)
-            produced = slot.binding.get_outputs()
-            slot.outputs = {
-                name: ort.OrtValue.ortvalue_from_shape_and_type(
-                    value.shape(), WIRE_DTYPES[ONNX_TO_WIRE[value.data_type()]], "cuda", self._route.device_id
-                )
-                for name, value in zip(self._output_names, produced)
-            }
-            for name, value in slot.outputs.items():
-                slot.binding.bind_ortvalue_output(name, value)
-            return [value.numpy() for value in produced]
+            produced = [value.numpy() for value in slot.binding.get_outputs()]
+            self._bind_packed_outputs(slot, produced)
+            return produced
         options.add_run_config_entry(GPU_GRAPH_ID, str(slot.graph_id))
         self._session.run_with_iobinding(slot.binding, options)
-        return [slot.outputs[name].numpy() for name in self._output_names]
+        packed = slot.device_outputs.numpy()  # one copy back; the outputs are views of it
+        return [packed[offset:offset + _nbytes(dtype, shape)].view(dtype).reshape(shape)
+                for offset, dtype, shape in slot.output_layout]
 
     def _new_cuda_graph_slot(self, arrays: Mapping[str, np.ndarray], graph_id: int) -> _CudaGraphSlot:
+        names = list(self._input_wire)
+        offsets, total = _packed_offsets([arrays[name].nbytes for name in names])
+        staging = np.zeros(total, dtype=np.uint8)
+        device_inputs = ort.OrtValue.ortvalue_from_numpy(staging, "cuda", self._route.device_id)
         binding = self._session.io_binding()
-        inputs = {}
-        for name in self._input_wire:
+        views = []
+        for name, offset in zip(names, offsets):
             array = arrays[name]
-            value = ort.OrtValue.ortvalue_from_shape_and_type(array.shape, array.dtype, "cuda", self._route.device_id)
-            binding.bind_ortvalue_input(name, value)
-            inputs[name] = value
-        return _CudaGraphSlot(graph_id=graph_id, binding=binding, inputs=inputs)
+            binding.bind_input(name, "cuda", self._route.device_id, array.dtype.type, list(array.shape),
+                               device_inputs.data_ptr() + offset)
+            views.append((name, staging[offset:offset + array.nbytes]))
+        return _CudaGraphSlot(graph_id=graph_id, binding=binding, staging=staging, device_inputs=device_inputs,
+                              input_views=tuple(views))
+
+    def _bind_packed_outputs(self, slot: _CudaGraphSlot, produced: list[np.ndarray]) -> None:
+        """Bind every output of the slot's shape inside one device buffer (what the graph will write)."""
+        offsets, total = _packed_offsets([array.nbytes for array in produced])
+        slot.device_outputs = ort.OrtValue.ortvalue_from_shape_and_type([total], np.uint8, "cuda", self._route.device_id)
+        for name, array, offset in zip(self._output_names, produced, offsets):
+            slot.binding.bind_output(name, "cuda", self._route.device_id, array.dtype.type, list(array.shape),
+                                     slot.device_outputs.data_ptr() + offset)
+        slot.output_layout = tuple((offset, array.dtype, array.shape) for array, offset in zip(produced, offsets))
+
+
+def _nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
+    return dtype.itemsize * int(np.prod(shape, dtype=np.int64))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -89,6 +89,22 @@ def test_cuda_graphs_per_shape_match_the_cpu(start_worker, tmp_path):
     assert client.stats()["cuda_graph_shapes"] == 3
 
 
+def test_cuda_graphs_of_a_graph_with_several_inputs_and_outputs(start_worker, affine_bundle):
+    """Inputs of two dtypes share one device buffer, outputs another: each comes back as its own tensor."""
+    client = start_worker(cuda_route(enable_cuda_graph=True, allowed_providers=(CUDA, CPU), min_fraction_on_target=0.5))
+    client.load(affine_bundle.manifest_path)
+    reference = ort.InferenceSession(str(affine_bundle.graph_path), providers=[CPU])
+    for round_ in range(5):
+        for n in (1, 3, 8):
+            inputs = affine_inputs(n, 32, seed=10 * round_ + n)
+            got = client.run(inputs, request_id=f"{round_}-{n}", stage_id=0, epoch=0)
+            expected = reference.run(None, inputs)
+            np.testing.assert_allclose(got["y"], expected[0], rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(got["z"], expected[1])
+            assert got["z"].dtype == expected[1].dtype and got["y"].shape == expected[0].shape
+    assert client.stats()["cuda_graph_shapes"] == 4  # the example's shape, then 1, 3 and 8 rows
+
+
 def test_calls_above_the_capture_size_run_uncaptured(start_worker, tmp_path):
     bundle = pack_graph(tmp_path / "mlp", mlp_graph(), {"x": np.ones((2, 64), np.float32)})
     client = start_worker(cuda_route(enable_cuda_graph=True, cuda_graph_max_rows=2))
