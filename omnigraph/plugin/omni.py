@@ -20,7 +20,9 @@ server's engine instead of starting its own.
 from __future__ import annotations
 
 import asyncio
+import functools
 import sys
+import threading
 import uuid
 from collections import deque
 from pathlib import Path
@@ -107,9 +109,35 @@ def _bundle_backbone(bundle: Path) -> dict[str, Any]:
     return backend
 
 
-def _settle(done: asyncio.Future[None]) -> None:
-    if not done.done():  # the awaiting task may have been cancelled meanwhile
-        done.set_result(None)
+class _ReadyRequests:
+    """Requests handed back by the replica threads to one event loop, which finishes them.
+
+    The first request of a burst schedules one drain on the loop and the rest join it, so the
+    requests of one batched call cost a single `call_soon_threadsafe` (one wake-up of the loop)
+    rather than one each, and the replica thread is free for its next call at once: the
+    processor's `finish` runs here, on the loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, orchestrator: Orchestrator) -> None:
+        self.loop = loop
+        self._orchestrator = orchestrator
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Future[None], RequestState]] = []
+
+    def post(self, done: asyncio.Future[None], request: RequestState) -> None:
+        """From any thread: `request` is ready (or failed); `done` is set once it is finished."""
+        with self._lock:
+            self._pending.append((done, request))
+            if len(self._pending) > 1:  # a drain is already scheduled
+                return
+        self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for done, request in pending:
+            self._orchestrator.finish(request)
+            if not done.done():  # the awaiting task may have been cancelled meanwhile
+                done.set_result(None)
 
 
 class OmniBase:
@@ -208,6 +236,10 @@ class OmniBase:
 class AsyncOmni(OmniBase):
     """The asyncio front: `generate` per request, `abort`, `shutdown`; also an async context manager."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ready: _ReadyRequests | None = None  # of the event loop that last called generate
+
     async def generate(self, prompt: Mapping[str, Any], request_id: str | None = None, *,
                        deadline_s: float | None = None) -> AsyncGenerator[OmniRequestOutput, None]:
         """Yield the request's finished output.
@@ -217,11 +249,14 @@ class AsyncOmni(OmniBase):
         consuming task aborts the request. The result is acknowledged when the generator advances
         or closes.
         """
-        request = self.orchestrator.submit(prompt, request_id=request_id, deadline_s=deadline_s)
+        loop = asyncio.get_running_loop()
+        ready = self._ready
+        if ready is None or ready.loop is not loop:
+            ready = self._ready = _ReadyRequests(loop, self.orchestrator)
+        done = loop.create_future()
+        request = self.orchestrator.submit(prompt, request_id=request_id, deadline_s=deadline_s,
+                                           on_ready=functools.partial(ready.post, done))
         try:
-            loop = asyncio.get_running_loop()
-            done = loop.create_future()
-            request.on_done(lambda: loop.call_soon_threadsafe(_settle, done))
             try:
                 await done
             except asyncio.CancelledError:

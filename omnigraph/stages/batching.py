@@ -28,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable, Protocol
+from typing import TYPE_CHECKING, Any, Hashable, NamedTuple, Protocol
 
 import numpy as np
 
@@ -52,9 +52,10 @@ STOP = object()  # queued once per serving replica at shutdown
 DEFAULT_BATCH_WAIT_US = 500
 
 
-@dataclass(frozen=True)
-class BatchShape:
-    """The padded size of one packed call, which the stage's limits bound, and its real content."""
+class BatchShape(NamedTuple):
+    """The padded size of one packed call, which the stage's limits bound, and its real content.
+    (A named tuple, as `Footprint`: built for every queued item a replica considers, so it must
+    be cheap to build; a frozen dataclass takes several times as long.)"""
 
     rows: int              # rows of the packed call (axis 0, padding included)
     tokens: int            # rows x padded sequence length (0 for a graph without a sequence axis)
@@ -64,8 +65,7 @@ class BatchShape:
     real_tokens: int       # tokens that belong to a request (attention mask set)
 
 
-@dataclass(frozen=True)
-class Footprint:
+class Footprint(NamedTuple):
     """What one queued item adds to a call; items combine by adding rows and tokens and taking
     the widest length, marker count and row size (`combine`)."""
 
@@ -239,7 +239,9 @@ class StageQueue:
         self._ready = threading.Condition(threading.Lock())
 
     def put(self, item: Any) -> None:
-        entry = Queued(item, self.adapter.group(item.tensors), self.adapter.footprint(item.tensors))
+        # the group only decides merging: a stage that never merges skips it
+        group = self.adapter.group(item.tensors) if self.limits.max_rows > 1 else None
+        entry = Queued(item, group, self.adapter.footprint(item.tensors))
         with self._ready:
             self._entries.append(entry)
             self._ready.notify_all()

@@ -6,12 +6,19 @@ its work items enter the first stage. Each stage's replica threads run the calls
 carry compatible work items of several requests where the stage declares batching); when a call
 returns, the same thread hands the outputs to the next stage (through the stage's
 `custom_process_input_func`, checked against the inputs the next bundle declares) or, after the
-final stage, finishes the request with the processor. The caller only waits for a callback, so the
-whole path costs two thread hand-offs (into the replica thread, back to the caller).
+final stage, hands the request back to its caller, who finishes it with the processor
+(`Orchestrator.finish`). The caller only waits for a callback, so the whole path costs two thread
+hand-offs (into the replica thread, back to the caller).
+
+Finishing (the processor's `finish`: decoding, the response) runs on the caller's thread when the
+request was admitted with `on_ready` (the async front: its event loop), so a replica thread goes
+straight from one call's outputs to its next call; without `on_ready` the replica thread finishes
+the request itself and `RequestState.wait` returns the result.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import uuid
@@ -36,17 +43,23 @@ from omnigraph.stages.tensors import check_tensors
 DEFAULT_MAX_QUEUED_REQUESTS = 32
 
 
+OnReady = Callable[["RequestState"], None]
+
+
 class RequestState:
     """One admitted request: its prepared work, its outputs so far, and its outcome once finished.
 
-    Completion is a plain callback (`on_done`) rather than a concurrent Future: the async front
-    turns it into one `call_soon_threadsafe`, the blocking front waits with `wait`.
+    Completion is a plain callback (`on_ready`, given at admission) rather than a concurrent
+    Future: it is called once, from whichever thread gets there first, when the request's outputs
+    are complete (its receiver then calls `Orchestrator.finish`) or when the request failed. The
+    blocking front admits without it and waits with `wait`.
     """
 
     __slots__ = ("request_id", "prepared", "deadline", "stage_durations", "finished", "result", "error",
-                 "_outputs", "_remaining", "_lock", "_on_done", "_event")
+                 "_outputs", "_remaining", "_lock", "_on_ready", "_handed_over", "_event")
 
-    def __init__(self, request_id: str, prepared: PreparedRequest, deadline: float | None) -> None:
+    def __init__(self, request_id: str, prepared: PreparedRequest, deadline: float | None,
+                 on_ready: OnReady | None = None) -> None:
         self.request_id = request_id
         self.prepared = prepared
         self.deadline = deadline
@@ -57,7 +70,8 @@ class RequestState:
         self._outputs: list[Mapping[str, np.ndarray] | None] = [None] * len(prepared.work)
         self._remaining = len(prepared.work)
         self._lock = threading.Lock()
-        self._on_done: Callable[[], None] | None = None
+        self._on_ready = on_ready
+        self._handed_over = False
         self._event: threading.Event | None = None
 
     def remaining_time(self) -> float | None:
@@ -83,13 +97,17 @@ class RequestState:
         outputs, self._outputs = self._outputs, []
         return outputs  # type: ignore[return-value]
 
-    def on_done(self, callback: Callable[[], None]) -> None:
-        """Call `callback` (from whichever thread finishes the request) once it has finished."""
+    def hand_over(self) -> bool:
+        """Call `on_ready` unless it was called already; False when the request has none (then
+        whoever completed its outputs finishes it)."""
+        if self._on_ready is None:
+            return False
         with self._lock:
-            if not self.finished:
-                self._on_done = callback
-                return
-        callback()
+            if self._handed_over:
+                return True
+            self._handed_over = True
+        self._on_ready(self)
+        return True
 
     def wait(self, timeout: float | None = None) -> Any:
         """Block until finished; the result, or the request's error raised."""
@@ -117,11 +135,10 @@ class RequestState:
             self.finished = True
             self.result, self.error = result, error
             self._outputs = []
-            callback, event = self._on_done, self._event
+            event = self._event
         if event is not None:
             event.set()
-        if callback is not None:
-            callback()
+        self.hand_over()  # a failure reaches the receiver the same way (its finish then does nothing)
         return True
 
 
@@ -173,6 +190,9 @@ class Orchestrator:
             if isinstance(stage, GraphStage):
                 stage.queue.admitted_requests = self._active.__len__
         self._lock = threading.Lock()
+        # ids of requests admitted without one: unique without a random draw (a system call) each
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._id_counter = itertools.count()
         self.epoch = 0
         self._closed = False
 
@@ -182,15 +202,18 @@ class Orchestrator:
         return len(self._active)
 
     def submit(self, prompt: Mapping[str, Any], *, request_id: str | None = None,
-               deadline_s: float | None = None) -> RequestState:
+               deadline_s: float | None = None, on_ready: OnReady | None = None) -> RequestState:
         """Prepare and admit a request; raises `RequestInvalid`, `ResourceUnavailable`, `StageUnavailable`."""
-        return self.admit(self.processor.prepare(prompt), request_id=request_id, deadline_s=deadline_s)
+        return self.admit(self.processor.prepare(prompt), request_id=request_id, deadline_s=deadline_s,
+                          on_ready=on_ready)
 
     def admit(self, prepared: PreparedRequest, *, request_id: str | None = None,
-              deadline_s: float | None = None) -> RequestState:
-        """Admit an already prepared request and queue its work in the first stage."""
+              deadline_s: float | None = None, on_ready: OnReady | None = None) -> RequestState:
+        """Admit an already prepared request and queue its work in the first stage. With
+        `on_ready`, the request is handed to it once its outputs are complete (or it failed) and
+        its receiver finishes it (`finish`); without, the replica thread finishes it."""
         self._check_open()
-        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        request_id = request_id if request_id is not None else f"{self._id_prefix}-{next(self._id_counter)}"
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
         with self._lock:
             if self._closed:
@@ -201,10 +224,10 @@ class Orchestrator:
                 raise ResourceUnavailable(
                     f"queue full: {len(self._active)} requests admitted (max_queued_requests={self.max_queued_requests})"
                 )
-            request = RequestState(request_id, prepared, deadline)
+            request = RequestState(request_id, prepared, deadline, on_ready)
             self._active[request_id] = request
         if not prepared.work:
-            self._finish(request)
+            self._outputs_ready(request)
             return request
         entry = self._chain[0]
         try:
@@ -263,7 +286,7 @@ class Orchestrator:
         position = item.position + 1
         if position == len(self._chain):
             if request.store(stage.stage_id, seconds, item.index, outputs):
-                self._finish(request)
+                self._outputs_ready(request)
             return
         request.record(stage.stage_id, seconds)
         following = self._chain[position]
@@ -276,7 +299,14 @@ class Orchestrator:
         except Exception as exc:  # a handoff fault fails this request, never the replica thread
             request.reject(exc)
 
-    def _finish(self, request: RequestState) -> None:
+    def _outputs_ready(self, request: RequestState) -> None:
+        if not request.hand_over():
+            self.finish(request)
+
+    def finish(self, request: RequestState) -> None:
+        """Turn the request's complete outputs into its result (the processor's `finish`) on the
+        calling thread; a deadline that passed meanwhile fails it. Does nothing once the request
+        has finished (failed, cancelled). Called by whoever received the request's `on_ready`."""
         if request.finished:
             return
         remaining = request.remaining_time()

@@ -310,3 +310,31 @@ def test_a_replica_waits_for_batch_mates_only_while_other_requests_are_admitted(
                 stage_queue.take()
         else:
             assert [entry.item.request_id for entry in stage_queue.take()] == ["only"]
+
+
+def test_the_requests_of_one_merged_call_wake_the_event_loop_once_and_finish_there(make_plan, engine):
+    prompts = [rows_prompt(i, 1, 32) for i in range(6)]
+
+    async def serve():
+        async with AsyncOmni(deploy_config=make_plan("rows", batching=BATCHING)) as omni:
+            loop = asyncio.get_running_loop()
+            wakes, finished_on = [], []  # wake-ups of the loop from other threads; threads that finished
+            call_soon_threadsafe, finish = loop.call_soon_threadsafe, omni.processor.finish
+
+            def counted(*args):
+                if threading.get_ident() != threading.main_thread().ident:  # the loop runs in the main thread
+                    wakes.append(args)
+                return call_soon_threadsafe(*args)
+
+            loop.call_soon_threadsafe = counted
+            omni.processor.finish = lambda *args: finished_on.append(threading.get_ident()) or finish(*args)
+            outputs = await queue_behind_blocker(omni, engine, prompts)
+            loop.call_soon_threadsafe = call_soon_threadsafe
+            (replica,) = engine.replicas(omni)
+        return outputs, replica, len(wakes), finished_on
+
+    outputs, replica, wakes, finished_on = asyncio.run(serve())
+    assert replica["calls"] == 2  # the blocker, then the six requests together
+    assert 1 <= wakes <= 2        # one per call (both at once if the second ends before the loop wakes)
+    assert finished_on == [threading.get_ident()] * 7  # the processor finished each on the event loop
+    assert [output.custom_output["s2000"].shape for output in outputs[1:]] == [(1, 32)] * 6

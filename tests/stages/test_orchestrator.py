@@ -2,7 +2,9 @@
 
 import asyncio
 import os
+import queue
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -264,3 +266,35 @@ def test_a_result_holds_its_slot_until_acknowledged(make_plan, engine):
             return await engine.first(omni, SMALL, "third")
 
     assert asyncio.run(main()).request_id == "third"
+
+
+def test_a_request_admitted_with_on_ready_is_finished_by_whoever_receives_it(make_plan):
+    plan = make_plan("affine", "rename")
+    runtime = StageRuntime(resolve_pipeline(plan), plan)
+    runtime.start()
+    try:
+        processor = RowsProcessor()
+        finished_on = []
+        original_finish = processor.finish
+        processor.finish = lambda prepared, outputs: finished_on.append(threading.get_ident()) or original_finish(prepared, outputs)
+        orchestrator = Orchestrator(runtime, processor)
+        handed: queue.SimpleQueue = queue.SimpleQueue()
+        request = orchestrator.submit({"rows": [1, 2, 3]}, on_ready=handed.put)
+        assert handed.get(timeout=60) is request and not request.finished  # the replica thread did not finish it
+        orchestrator.finish(request)
+        assert request.result == [2.0, 4.0, 6.0] and finished_on == [threading.get_ident()]
+
+        # cancelled once handed over: its receiver's finish does nothing, and it is not handed over twice
+        late = orchestrator.submit({"rows": [5]}, on_ready=handed.put)
+        assert handed.get(timeout=60) is late
+        assert orchestrator.abort(late.request_id)
+        orchestrator.finish(late)
+        assert isinstance(late.error, RequestCancelled) and late.result is None and handed.empty()
+
+        # a failure reaches the receiver the same way
+        failing = orchestrator.submit({"rows": [7]}, deadline_s=0.0, on_ready=handed.put)
+        assert handed.get(timeout=60) is failing
+        orchestrator.finish(failing)
+        assert isinstance(failing.error, DeadlineExceeded) and len(finished_on) == 1
+    finally:
+        runtime.shutdown()
