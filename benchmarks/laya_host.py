@@ -24,8 +24,10 @@ thread; the calls are CPU-bound, so this is their CPU cost):
   cost per call and per row.
 
 Stages run in the order above in blocks that take turns over several rounds, so other load on the
-machine falls on all alike; to compare two trees run the script with each tree first on
-PYTHONPATH, alternating.
+machine falls on all alike. Each row gives the median call's wall time (`median_us`) and the
+process CPU time per call (`cpu_us`, the median over rounds of each round's mean), which moves less
+when other processes share the cores. To compare two trees, run the script with each tree's
+`omnigraph` first on `sys.path`, alternating (`omnigraph_path` in every row says which ran).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import os
 import platform
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -64,17 +67,26 @@ def _harness() -> Any:
     return module
 
 
-def median_us(call: Callable[[], Any], calls: int, rounds_out: list[list[float]]) -> None:
-    """Time `calls` calls of `call` (after a few untimed ones) into a new list of rounds_out."""
-    for _ in range(WARMUP):
-        call()
-    samples = []
-    clock = time.perf_counter_ns
-    for _ in range(calls):
-        started = clock()
-        call()
-        samples.append((clock() - started) / 1000.0)
-    rounds_out.append(samples)
+@dataclass
+class Samples:
+    """One stage's timings: each round's per-call wall times, and its process CPU time per call."""
+
+    wall_us: list[list[float]] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)
+
+    def time_round(self, call: Callable[[], Any], calls: int) -> None:
+        """Time `calls` calls of `call`, after a few untimed ones."""
+        for _ in range(WARMUP):
+            call()
+        samples = []
+        clock = time.perf_counter_ns
+        cpu_started = time.process_time_ns()
+        for _ in range(calls):
+            started = clock()
+            call()
+            samples.append((clock() - started) / 1000.0)
+        self.cpu_us.append((time.process_time_ns() - cpu_started) / 1000.0 / calls)
+        self.wall_us.append(samples)
 
 
 def fake_outputs(work: list[dict[str, np.ndarray]], rng: np.random.Generator) -> list[dict[str, np.ndarray]]:
@@ -87,11 +99,22 @@ def fake_outputs(work: list[dict[str, np.ndarray]], rng: np.random.Generator) ->
     return outputs
 
 
+def _letters(n: int) -> str:
+    """n in base 26, as lower-case letters."""
+    letters = ""
+    while True:
+        n, digit = divmod(n, 26)
+        letters += chr(ord("a") + digit)
+        if not n:
+            return letters
+
+
 def new_words(text: str, count: int) -> Iterator[str]:
-    """`count` copies of `text`, each with every word new to the tokenizer's memos (a number
-    appended, different in each copy): the state tokenization's worst case."""
+    """`count` copies of `text`, each word of each copy new to the tokenizer's memos (letters of
+    the copy's number appended to it, so every word is a new piece): the state tokenization's worst
+    case."""
     words = text.split(" ")
-    return iter([" ".join(f"{word}{n}" for word in words) for n in range(count)])
+    return iter([" ".join(f"{word}q{_letters(n)}" for word in words) for n in range(count)])
 
 
 def stage_calls(size: str, seed: int, harness: Any,
@@ -187,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     harness = _harness()
     texts_per_case = args.rounds * (args.calls + WARMUP)
     calls = [entry for size in args.sizes for entry in stage_calls(size, args.seed, harness, texts_per_case)]
-    samples: list[list[list[float]]] = [[] for _ in calls]
+    samples = [Samples() for _ in calls]
     for _ in range(args.rounds):
-        for (_, call), rounds in zip(calls, samples):
-            median_us(call, args.calls, rounds)
+        for (_, call), stage in zip(calls, samples):
+            stage.time_round(call, args.calls)
     identity = {
         "cpu": harness._device_name("cpu"), "cores": os.cpu_count(), "versions": harness._versions(),
         "omnigraph_path": str(Path(omnigraph.__file__).parent),
@@ -199,22 +222,27 @@ def main(argv: list[str] | None = None) -> int:
         "python": platform.python_version(), "load_average": os.getloadavg()[0],
     }
     rows = []
-    for (ident, _), rounds in zip(calls, samples):
-        value = float(np.median(np.concatenate(rounds)))
+    for (ident, _), stage in zip(calls, samples):
+        value = float(np.median(np.concatenate(stage.wall_us)))
+        cpu = float(np.median(stage.cpu_us))
+        common = {"calls": sum(map(len, stage.wall_us)), "seed": args.seed, **identity}
         rows.append({**ident, "metric": "median_us", "value": round(value, 2), "unit": "us",
-                     "round_median_us": [round(float(np.median(r)), 2) for r in rounds],
-                     "calls": sum(map(len, rounds)), "seed": args.seed, **identity})
+                     "round_median_us": [round(float(np.median(r)), 2) for r in stage.wall_us], **common})
+        rows.append({**ident, "metric": "cpu_us", "value": round(cpu, 2), "unit": "us",
+                     "round_cpu_us": [round(r, 2) for r in stage.cpu_us], **common})
         if "items" in ident:
             rows.append({**ident, "metric": "median_us_per_row", "value": round(value / ident["items"], 2),
-                         "unit": "us", "seed": args.seed, **identity})
+                         "unit": "us", **common})
 
-    print(f"{'size':<6} {'tokens':>6} {'req':<3} {'case':<18} {'route':<10} {'median_us':>10} {'per_row':>8}  rounds")
+    print(f"{'size':<6} {'tokens':>6} {'req':<3} {'case':<18} {'route':<10} {'median_us':>10} {'cpu_us':>8} "
+          f"{'per_row':>8}  rounds (median us)")
+    cpu_of = {id(row): next_row["value"] for row, next_row in zip(rows, rows[1:]) if next_row["metric"] == "cpu_us"}
     for row in rows:
         if row["metric"] != "median_us":
             continue
         per_row = f"{row['value'] / row['items']:.2f}" if "items" in row else ""
         print(f"{row['size']:<6} {row['tokens']:>6} {row['request']:<3} {row['case']:<18} {row.get('route', ''):<10} "
-              f"{row['value']:>10.2f} {per_row:>8}  {row['round_median_us']}")
+              f"{row['value']:>10.2f} {cpu_of[id(row)]:>8.2f} {per_row:>8}  {row['round_median_us']}")
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

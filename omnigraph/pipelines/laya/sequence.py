@@ -170,7 +170,13 @@ class LayaTokenizer:
             self._tokenizer.normalizer is None
             and isinstance(pre_tokenizer, pre_tokenizers.ByteLevel) and pre_tokenizer.use_regex
             and not pre_tokenizer.add_prefix_space
-            and isinstance(model, models.BPE) and model.dropout is None)
+            and isinstance(model, models.BPE) and model.dropout is None
+            and not model.continuing_subword_prefix and not model.end_of_word_suffix)
+        # Bytes of text each vocabulary token stands for: one per character of byte-level BPE.
+        vocabulary = self._tokenizer.get_vocab(with_added_tokens=False)
+        self._token_bytes = [0] * (max(vocabulary.values(), default=0) + 1)
+        for token, token_id in vocabulary.items():
+            self._token_bytes[token_id] = len(token)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without special tokens; the mask token becomes a space.
@@ -207,15 +213,19 @@ class LayaTokenizer:
         return _ASCII_PIECE.findall(text)
 
     def _encode_whole(self, text: str, pieces: list[str]) -> list[int]:
-        """The text's ids in one tokenizer call, remembering each piece's ids (the tokens of
-        piece i are those whose word index is i)."""
-        encoding = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
-        ids, words = encoding.ids, encoding.word_ids
-        if words and words[-1] == len(pieces) - 1:
-            per_piece: list[list[int]] = [[] for _ in pieces]
-            for word, token in zip(words, ids):
-                per_piece[word].append(token)
-            self._pieces.remember(dict(zip(pieces, map(tuple, per_piece))))
+        """The text's ids in one tokenizer call, remembering each piece's ids: in ASCII text a
+        piece of n characters is n bytes, so its tokens are the next ones that add up to n bytes."""
+        ids = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
+        token_bytes, remembered, position = self._token_bytes, {}, 0
+        for piece in pieces:
+            start, left = position, len(piece)
+            while left > 0 and position < len(ids):
+                left -= token_bytes[ids[position]]
+                position += 1
+            if left:  # the tokens do not end where the piece does: remember nothing
+                return ids
+            remembered[piece] = tuple(ids[start:position])
+        self._pieces.remember(remembered)
         return ids
 
     def _encode_each(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
