@@ -14,6 +14,7 @@ Cases:
                            `batching: {max_batch_rows: 1}` (every request alone).
   omnigraph batching on    the same plan, `batching: {max_batch_rows: --max-batch-rows}` (and
                            `batch_wait_us: --batch-wait-us` when given; else the stage default).
+                           `--intra-op-threads N` sets both plans' worker route to N ORT threads.
   laya-cuda BatchEngine    `laya_cuda.batching.BatchEngine(DIR, max_batch_size=--max-batch-rows)`
                            (tokens per batch to match), futures awaited by the same clients.
   laya predict_batch       the reference's `agent.predict_batch([state] * 64, questions)`, one call
@@ -181,6 +182,8 @@ def omnigraph_plan(args: argparse.Namespace, bundle: Path, max_batch_rows: int) 
         batching["batch_wait_us"] = args.batch_wait_us
     plan["stages"][0]["batching"] = batching
     plan["stages"][0]["num_replicas"] = args.replicas
+    if args.intra_op_threads is not None:
+        plan["stages"][0]["backend"]["route"]["intra_op_num_threads"] = args.intra_op_threads
     return validate_deploy_config(plan)
 
 
@@ -399,6 +402,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--max-batch-rows", type=int, default=64, help="batching on: rows per merged call")
     parser.add_argument("--batch-wait-us", type=int, default=None, help="batching on: the stage's batch wait")
     parser.add_argument("--replicas", type=int, default=1, help="omnigraph's worker replicas (num_replicas)")
+    parser.add_argument("--intra-op-threads", type=int, default=None,
+                        help="omnigraph's worker route: ONNX Runtime threads (default: ORT's); on the 2-core VM, 1 "
+                             "leaves the controller a core of its own, as on a GPU host")
     parser.add_argument("--host-calls", type=int, default=2000, help="timed calls of prepare and of finish")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a worker to load")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and targets here")
