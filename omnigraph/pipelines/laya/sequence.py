@@ -182,7 +182,7 @@ class LayaTokenizer:
         """Token ids of ``text`` without special tokens; the mask token becomes a space.
 
         Byte-level BPE encodes each piece of the text (its pre-tokens) on its own, so for text
-        whose pieces ``_pieces`` can find, the ids of pieces seen before come from a memo and only
+        whose pieces ``_split_pieces`` can find, the ids of pieces seen before come from a memo and only
         new pieces reach the tokenizer; a text with many new pieces is encoded whole and its
         pieces remembered. Elsewhere the tokenizer encodes the text whole. The ids are the same
         either way. ``encode_batch_fast``, not ``encode``: the same ids, without the character
@@ -225,7 +225,8 @@ class LayaTokenizer:
             if left:  # the tokens do not end where the piece does: remember nothing
                 return ids
             remembered[piece] = tuple(ids[start:position])
-        self._pieces.remember(remembered)
+        if position == len(ids):
+            self._pieces.remember(remembered)
         return ids
 
     def _encode_each(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
