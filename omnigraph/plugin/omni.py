@@ -129,7 +129,10 @@ class _ReadyRequests:
             self._pending.append((done, request))
             if len(self._pending) > 1:  # a drain is already scheduled
                 return
-        self.loop.call_soon_threadsafe(self._drain)
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop was closed under its callers: no one waits for the answer
+            pass
 
     def _drain(self) -> None:
         with self._lock:
@@ -234,7 +237,10 @@ class OmniBase:
 
 
 class AsyncOmni(OmniBase):
-    """The asyncio front: `generate` per request, `abort`, `shutdown`; also an async context manager."""
+    """The asyncio front: `generate` per request, `abort`, `shutdown`; also an async context manager.
+
+    Requests are finished (the processor's `finish`) on the event loop that called `generate`, so
+    the stages' replica threads only run worker calls and route their outputs."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
