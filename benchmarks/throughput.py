@@ -399,7 +399,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=108, help="nominal row length of the request")
     parser.add_argument("--seconds", type=float, default=8.0, help="timed load per case and concurrency")
     parser.add_argument("--warmup-s", type=float, default=1.0, help="untimed load before each timed one")
-    parser.add_argument("--max-batch-rows", type=int, default=64, help="batching on: rows per merged call")
+    parser.add_argument("--max-batch-rows", type=int, default=None,
+                        help="batching on: rows per merged call (default: what the laya pipeline declares, 32)")
     parser.add_argument("--batch-wait-us", type=int, default=None, help="batching on: the stage's batch wait")
     parser.add_argument("--replicas", type=int, default=1, help="omnigraph's worker replicas (num_replicas)")
     parser.add_argument("--intra-op-threads", type=int, default=None,
@@ -410,10 +411,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=None, help="write the rows and targets here")
     parser.add_argument("--report", type=Path, default=None, metavar="JSON", help="only print an earlier run's report")
     args = parser.parse_args(argv)
-    if min(args.concurrency) < 1 or min(args.max_batch_rows, args.replicas) < 1 or args.seconds <= 0 \
-            or args.warmup_s < 0:
+    if min(args.concurrency) < 1 or args.replicas < 1 or (args.max_batch_rows is not None and args.max_batch_rows < 1) \
+            or args.seconds <= 0 or args.warmup_s < 0:
         parser.error("--concurrency, --max-batch-rows and --replicas must be >= 1, --seconds > 0, --warmup-s >= 0")
     args.size = args.size or ("full" if args.device == "cuda" else "small")
+    if args.max_batch_rows is None:  # the pipeline's own declaration, for omnigraph and laya-cuda alike
+        from omnigraph.pipelines.registry import get_pipeline
+
+        args.max_batch_rows = get_pipeline("laya").stages[0].max_batch_rows
     args.strict_placement = False  # laya_gpu.py's plan: CUDA nodes, CPU fallback allowed and reported
     return args
 
