@@ -69,7 +69,7 @@ class _CudaGraphSlot:
     device_inputs: ort.OrtValue                          # uint8 [staging.size] on the device
     input_views: tuple[tuple[str, np.ndarray], ...]      # (name, its bytes inside staging)
     device_outputs: ort.OrtValue | None = None           # uint8, every output at its offset
-    output_layout: tuple[tuple[int, np.dtype, tuple[int, ...]], ...] = ()  # (offset, dtype, shape)
+    output_layout: tuple[tuple[int, int, np.dtype, tuple[int, ...]], ...] = ()  # (start, stop, dtype, shape)
 
 
 class GraphSession:
@@ -170,8 +170,8 @@ class GraphSession:
         """Replay (or let ORT capture, after its two warm-up runs) the CUDA graph of this shape."""
         key = tuple(arrays[name].shape for name in self._input_wire)
         slot = self._cuda_graph_slots.get(key)
-        capturable = all(not shape or shape[0] <= self._route.cuda_graph_max_rows for shape in key)
-        if slot is None and capturable and len(self._cuda_graph_slots) < self._route.max_cuda_graphs:
+        if slot is None and len(self._cuda_graph_slots) < self._route.max_cuda_graphs \
+                and all(not shape or shape[0] <= self._route.cuda_graph_max_rows for shape in key):
             slot = self._new_cuda_graph_slot(arrays, graph_id=len(self._cuda_graph_slots))
             self._cuda_graph_slots[key] = slot
         options = ort.RunOptions()
@@ -192,8 +192,7 @@ class GraphSession:
         options.add_run_config_entry(GPU_GRAPH_ID, str(slot.graph_id))
         self._session.run_with_iobinding(slot.binding, options)
         packed = slot.device_outputs.numpy()  # one copy back; the outputs are views of it
-        return [packed[offset:offset + _nbytes(dtype, shape)].view(dtype).reshape(shape)
-                for offset, dtype, shape in slot.output_layout]
+        return [packed[start:stop].view(dtype).reshape(shape) for start, stop, dtype, shape in slot.output_layout]
 
     def _new_cuda_graph_slot(self, arrays: Mapping[str, np.ndarray], graph_id: int) -> _CudaGraphSlot:
         names = list(self._input_wire)
@@ -217,11 +216,8 @@ class GraphSession:
         for name, array, offset in zip(self._output_names, produced, offsets):
             slot.binding.bind_output(name, "cuda", self._route.device_id, array.dtype.type, list(array.shape),
                                      slot.device_outputs.data_ptr() + offset)
-        slot.output_layout = tuple((offset, array.dtype, array.shape) for array, offset in zip(produced, offsets))
-
-
-def _nbytes(dtype: np.dtype, shape: tuple[int, ...]) -> int:
-    return dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        slot.output_layout = tuple((offset, offset + array.nbytes, array.dtype, array.shape)
+                                   for array, offset in zip(produced, offsets))
 
 
 # ----------------------------------------------------------------------------------------------
