@@ -53,27 +53,7 @@ OUT=${OUT:-/tmp/laya-gpu-out}
 WORK=${WORK:-/tmp/laya-gpu}
 LOG=$OUT/laya_gpu.log
 JSON=$OUT/laya_gpu.json
-mkdir -p "$OUT" "$WORK"
-: > "$LOG"
-
-export PYTHONUNBUFFERED=1
-export OMNIGRAPH_CACHE=$WORK/cache
-export PYTHONPATH=$HOME/.ortgpu:$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}
-[[ -d $REPO/.gpu/ort-include ]] && export ORT_INCLUDE_DIR=$REPO/.gpu/ort-include
-
-elapsed() { echo $(( $(date +%s) - START )); }
-log() { echo "[$(elapsed) s] $*" | tee -a "$LOG"; }
-
-# step NAME COMMAND...: run it, its output into the log, and record whether it passed.
-step() {
-  local name=$1; shift
-  local began=$(date +%s)
-  log "== $name: $*"
-  "$@" >> "$LOG" 2>&1
-  local rc=$?
-  log "== $name: exit $rc after $(( $(date +%s) - began )) s"
-  return $rc
-}
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # 1. wheels (laya-cuda with no dependencies: it runs on the machine's cupy-cuda13x)
 step wheels python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -98,10 +78,7 @@ print("torch-free CUDA session:", session.get_providers())
 EOF
 }
 if ! step cuda-session cuda_session_check; then
-  NVIDIA_LIBS=$(python3 -c 'import glob, os, nvidia
-print(":".join(sorted({os.path.dirname(p) for root in nvidia.__path__
-                       for p in glob.glob(os.path.join(root, "**", "lib*.so*"), recursive=True)})))')
-  export LD_LIBRARY_PATH=$NVIDIA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  nvidia_loader_path
   log "preload_dlls was not enough: LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
   step cuda-session-with-loader-path cuda_session_check
 fi

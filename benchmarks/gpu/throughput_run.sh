@@ -46,27 +46,7 @@ OUT=${OUT:-/tmp/throughput-out}
 WORK=${WORK:-/tmp/throughput-gpu}
 LOG=$OUT/throughput.log
 JSON=$OUT/throughput.json
-mkdir -p "$OUT" "$WORK"
-: > "$LOG"
-
-export PYTHONUNBUFFERED=1
-export OMNIGRAPH_CACHE=$WORK/cache
-export PYTHONPATH=$HOME/.ortgpu:$REPO:$SITE${PYTHONPATH:+:$PYTHONPATH}
-[[ -d $REPO/.gpu/ort-include ]] && export ORT_INCLUDE_DIR=$REPO/.gpu/ort-include
-
-elapsed() { echo $(( $(date +%s) - START )); }
-log() { echo "[$(elapsed) s] $*" | tee -a "$LOG"; }
-
-# step NAME COMMAND...: run it, its output into the log, and record whether it passed.
-step() {
-  local name=$1; shift
-  local began=$(date +%s)
-  log "== $name: $*"
-  "$@" >> "$LOG" 2>&1
-  local rc=$?
-  log "== $name: exit $rc after $(( $(date +%s) - began )) s"
-  return $rc
-}
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # 1. wheels (laya-cuda with no dependencies: it runs on the machine's cupy-cuda13x)
 if compgen -G "$REPO/.whl/*.whl" > /dev/null; then
@@ -76,14 +56,9 @@ else
   log "no .whl folder carried: using the interpreter's own packages"
 fi
 if [[ $DEVICE == cuda ]]; then
-  # The graph workers load CUDA without torch (onnxruntime.preload_dlls); where that is not
-  # enough, put the machine's nvidia-* libraries on every process's loader path.
   if ! step cuda-session python3 -c 'import onnxruntime as ort; ort.preload_dlls(); import sys
 sys.exit("CUDAExecutionProvider" not in ort.get_available_providers())'; then
-    NVIDIA_LIBS=$(python3 -c 'import glob, os, nvidia
-print(":".join(sorted({os.path.dirname(p) for root in nvidia.__path__
-                       for p in glob.glob(os.path.join(root, "**", "lib*.so*"), recursive=True)})))')
-    export LD_LIBRARY_PATH=$NVIDIA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    nvidia_loader_path
     log "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
   fi
 fi
