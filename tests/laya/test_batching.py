@@ -13,7 +13,9 @@ from omnigraph import AsyncOmni, Omni
 from omnigraph.bundles import verify_bundle
 from omnigraph.pipelines.deploy import GRAPH_BACKEND, validate_deploy_config
 from omnigraph.pipelines.laya.batching import LayaBatchAdapter
+from omnigraph.pipelines.laya.export import cached_bundle
 from omnigraph.pipelines.laya.processor import LayaProcessor
+from omnigraph.pipelines.laya.synth import cached_checkpoint
 from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 from omnigraph.stages.batching import BatchLimits, Footprint, StageQueue
 from omnigraph.stages.errors import RequestCancelled
@@ -69,9 +71,15 @@ def route(**options) -> WorkerRoute:
 
 
 @pytest.fixture(scope="module")
-def adapter(bundle):
+def fixed_shape_bundle():
+    """A bundle that runs at the call's shapes (bf16: the fp32 one computes real tokens only)."""
+    return cached_bundle(cached_checkpoint("tiny"), precision="bf16")
+
+
+@pytest.fixture(scope="module")
+def adapter(fixed_shape_bundle):
     """The adapter on a CUDA-graph route: rows padded to their power-of-two bucket."""
-    return LayaBatchAdapter(verify_bundle(bundle), route(ep="cuda", enable_cuda_graph=True))
+    return LayaBatchAdapter(verify_bundle(fixed_shape_bundle), route(ep="cuda", enable_cuda_graph=True))
 
 
 def laya_plan(bundle, batching: dict):
@@ -133,22 +141,34 @@ def test_the_adapter_pads_the_merged_call_and_gives_each_item_its_own_rows_and_s
         adapter.unpack({**outputs, "logits": outputs["logits"][:, :1]}, items)
 
 
-def test_routes_without_fixed_shapes_get_no_padding_rows(bundle, processor):
+def test_routes_without_fixed_shapes_get_no_padding_rows(bundle, fixed_shape_bundle, processor):
     items = [processor.prepare(REQUESTS[i]).work[0] for i in (0, 1, 4)]
     cpu = LayaBatchAdapter(verify_bundle(bundle), route())
-    assert not cpu.fixed_shapes and LayaBatchAdapter(verify_bundle(bundle), route(ep="tensorrt")).fixed_shapes
+    assert not cpu.fixed_shapes
+    assert LayaBatchAdapter(verify_bundle(fixed_shape_bundle), route(ep="tensorrt")).fixed_shapes
     assert cpu.pack(items)["input_ids"].shape[0] == 5
     assert cpu.padded(functools.reduce(Footprint.combine, map(cpu.footprint, items))).rows == 5
 
 
-def test_cuda_graph_routes_pad_rows_only_up_to_the_captured_size(bundle, processor):
+def test_cuda_graph_routes_pad_rows_only_up_to_the_captured_size(fixed_shape_bundle, processor):
     """Like vLLM's cudagraph capture sizes: small calls pad to a captured bucket, large ones stay exact."""
     items = [processor.prepare(REQUESTS[i]).work[0] for i in (0, 1, 4)]  # 5 rows
-    graphs = LayaBatchAdapter(verify_bundle(bundle), route(ep="cuda", enable_cuda_graph=True, cuda_graph_max_rows=4))
+    bundle = verify_bundle(fixed_shape_bundle)
+    graphs = LayaBatchAdapter(bundle, route(ep="cuda", enable_cuda_graph=True, cuda_graph_max_rows=4))
     assert [graphs.padded_rows(rows) for rows in (1, 3, 4, 5, 26)] == [1, 4, 4, 5, 26]
     assert graphs.pack(items)["input_ids"].shape[0] == 5
-    assert LayaBatchAdapter(verify_bundle(bundle), route(ep="cuda", enable_cuda_graph=True)).pack(items)[
+    assert LayaBatchAdapter(bundle, route(ep="cuda", enable_cuda_graph=True)).pack(items)[
         "input_ids"].shape[0] == 8  # the default captures up to 8 rows
+
+
+@pytest.mark.parametrize("options", [{"ep": "cuda", "enable_cuda_graph": True}, {"ep": "tensorrt"}])
+def test_an_unpadded_bundle_is_refused_on_fixed_shape_routes(bundle, options):
+    """The fp32 bundle gathers its real tokens (a shape that follows the data), which neither a
+    captured CUDA graph nor a TensorRT engine can run: refused when the stage is built."""
+    verified = verify_bundle(bundle)
+    assert verified.manifest.metadata.layout["unpadded"] is True
+    with pytest.raises(ValueError, match="computes real tokens only .* runs fixed shapes"):
+        LayaBatchAdapter(verified, route(**options))
 
 
 class Item:

@@ -141,7 +141,7 @@ def test_manifest_verifies_and_describes_the_bundle(laya_tiny_bundle, laya_tiny_
         "max_len": 512, "head_max_len": 192, "option_tokens": 48, "pad_id": encoder["pad_token_id"],
         "cls_id": encoder["cls_token_id"], "sep_id": encoder["sep_token_id"], "mask_id": encoder["pad_token_id"] + 1,
         "qtypes": ["choice", "score", "noul"], "option_layout": "sequential", "masked_logit": -1e4,
-        "inputs": None, "outputs": None}
+        "unpadded": True, "inputs": None, "outputs": None}
     temperatures = {key: agent_config[key] for key in ("temperature", "temperature_by_options")}
     version = hashlib.sha256(json.dumps(temperatures, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     assert metadata.calibration == {**temperatures, "version": version}
@@ -309,12 +309,32 @@ def test_the_plain_bundle_runs_its_encoder_on_onnx_runtime_fused_operators(laya_
     assert not any(n.name.startswith(traced_encoder) for n in model.graph.node)
     assert {o.domain for o in model.opset_import} >= {"", "com.microsoft"}
     assert laya_tiny_bundle.manifest.metadata.exporter["version"] == export.EXPORTER_VERSION
+    # fp32 computes the real tokens only: one NonZero finds them, Gathers move rows in and out
+    assert laya_tiny_bundle.manifest.metadata.layout["unpadded"] is True
+    assert [n.op_type for n in model.graph.node].count("NonZero") == 1
 
 
+def test_the_unpadded_encoder_gives_every_row_the_answer_it_gets_alone(laya_tiny_bundle, laya_tiny_batches):
+    """A row beside other rows, padded to a longer call, gives its logits alone up to float32
+    summation order (MatMul blocks by the call's rows): padding is neither computed nor able to
+    reach a real token."""
+    session = _session(laya_tiny_bundle)
+    batch = laya_tiny_batches[0]
+    together = _run(session, batch)
+    for row in range(batch["input_ids"].shape[0]):
+        real = max(1, int(batch["attention_mask"][row].sum()))
+        alone = {name: value[row:row + 1] for name, value in batch.items()}
+        alone = {**alone, "input_ids": alone["input_ids"][:, :real], "attention_mask": alone["attention_mask"][:, :real]}
+        for got, expected in zip(_run(session, alone), together):
+            np.testing.assert_allclose(got[0], expected[row], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("unpad", [False, True], ids=["padded", "unpadded"])
 @pytest.mark.parametrize("length", [1, 7, 8, 9, 23, 24, 25, 40, 64])
-def test_fused_encoder_matches_the_traced_export_at_every_window_shape(tiny_traced, length):
+def test_fused_encoder_matches_the_traced_export_at_every_window_shape(tiny_traced, length, unpad):
     """One block, windows covering every key (L <= 3 half-widths), and several shifted windows,
-    with a padded second row: the substituted graph gives the traced graph's outputs."""
+    with a padded second row: the substituted graph gives the traced graph's outputs, also when
+    it computes the real tokens only."""
     module, traced = tiny_traced
     assert module.encoder.config.sliding_window == 8
     rng = np.random.default_rng(length)
@@ -326,7 +346,7 @@ def test_fused_encoder_matches_the_traced_export_at_every_window_shape(tiny_trac
         "qtype": np.array([0, 2], dtype=np.int64),
     }
     batch["attention_mask"][1, max(1, 2 * length // 3):] = 0
-    fused = substitute_encoder(traced, module, max_len=64)
+    fused = substitute_encoder(traced, module, max_len=64, unpad=unpad)
 
     def run(model):
         session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

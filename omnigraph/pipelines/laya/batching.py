@@ -56,6 +56,10 @@ class LayaBatchAdapter:
             raise ValueError(f"{bundle.manifest_path}: metadata.layout has no pad_id")
         self._layout = BatchLayout(pad_id=layout["pad_id"], max_len=layout.get("max_len", BatchLayout.max_len))
         self.fixed_shapes = route.enable_cuda_graph or route.ep == "tensorrt"
+        if self.fixed_shapes and layout.get("unpadded", False):
+            raise ValueError(f"{bundle.manifest_path}: this bundle computes real tokens only (metadata.layout.unpadded), "
+                             f"whose shapes follow the data; route {route.name!r} runs fixed shapes (a CUDA graph or "
+                             f"a TensorRT engine): build a bf16 or fp16 bundle for it")
         # rows up to this run at fixed shapes (None: any number of rows does)
         self._fixed_shape_rows = route.cuda_graph_max_rows if route.enable_cuda_graph else None
 

@@ -62,9 +62,10 @@ from omnigraph.pipelines.laya.sequence import OPTION_TOKEN_LIMIT, BatchLayout
 from omnigraph.pipelines.laya.synth import cached_checkpoint
 
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
-EXPORTER_VERSION = 4
+EXPORTER_VERSION = 5
 OPSET = 17
 PRECISIONS = ("fp32", "fp16", "bf16")
+UNPADDED_PRECISION = "fp32"
 INPUT_NAMES = ("input_ids", "attention_mask", "marker_pos", "marker_mask", "qtype")
 OUTPUT_NAMES = ("logits", "act_logits")
 DYNAMIC_AXES = {
@@ -129,11 +130,15 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
                            tokenizer, config.encoder.pad_token_id)
     inputs = example_inputs(tokenizer, layout)
     revision = checkpoint_revision(checkpoint, agent_config)
+    # The fp32 plain bundle (what CPUs run) computes no padding; the others keep shapes fixed by
+    # the call's, which captured CUDA graphs and TensorRT engines need (ort_encoder's docstring).
+    layout["unpadded"] = fast_graph is None and precision == UNPADDED_PRECISION
 
     with staged_bundle_dir(out) as staging:
         custom_ops = None
         if fast_graph is None:
-            export_onnx(module, inputs, staging / GRAPH_FILE, precision, encoder_max_len=layout["max_len"])
+            export_onnx(module, inputs, staging / GRAPH_FILE, precision, encoder_max_len=layout["max_len"],
+                        unpad=layout["unpadded"])
         else:
             fast_graph.export_fast_onnx(module, inputs, staging / GRAPH_FILE, activation=PRECISION_DTYPES[precision])
             custom_ops = fast_graph.bundle_ops_library(staging)
@@ -293,12 +298,13 @@ def example_inputs(tokenizer: Tokenizer, layout: dict[str, Any]) -> dict[str, np
 
 
 def export_onnx(module: DecisionGraph, inputs: dict[str, np.ndarray], graph_path: Path, precision: str,
-                *, encoder_max_len: int | None = None) -> None:
+                *, encoder_max_len: int | None = None, unpad: bool = False) -> None:
     """Trace `module` to ONNX at `graph_path`, every initializer in the one external file weights.bin.
 
     With `encoder_max_len`, the traced encoder is replaced by ONNX Runtime's fused operators
-    (`ort_encoder.substitute_encoder`, rows of up to that many tokens): what the plain bundles run.
-    Without, the graph is the trace itself, which `fast_graph` rewrites.
+    (`ort_encoder.substitute_encoder`, rows of up to that many tokens; `unpad`: its token-wise work
+    on real tokens only): what the plain bundles run. Without, the graph is the trace itself, which
+    `fast_graph` rewrites.
     """
     args = tuple(torch.from_numpy(inputs[name]) for name in INPUT_NAMES)
     with tempfile.TemporaryDirectory(prefix="laya-export-") as scratch:
@@ -319,7 +325,7 @@ def export_onnx(module: DecisionGraph, inputs: dict[str, np.ndarray], graph_path
             )
         model = onnx.load(str(traced))
     if encoder_max_len is not None:
-        model = ort_encoder.substitute_encoder(model, module, max_len=encoder_max_len)
+        model = ort_encoder.substitute_encoder(model, module, max_len=encoder_max_len, unpad=unpad)
     if precision in _STORED_TYPES:
         store_weights_as(model, _STORED_TYPES[precision])
     model.graph.name = "laya_decision"

@@ -12,7 +12,16 @@ compute. `substitute_encoder` replaces them by a chain built here from the same 
 
 so the rotation and the attention's scale, mask, softmax and head transposes each run as one
 fused kernel (ONNX Runtime's `com.microsoft` operators, implemented on its CPU and CUDA execution
-providers), and nothing is left to compute shapes but the local windows' tables. (ONNX Runtime's
+providers), and nothing is left to compute shapes but the local windows' tables.
+
+Unpadded (`unpad=True`, as ModernBERT itself runs without flash attention's padding): everything
+that works token by token (the embedding, every projection, GeGLU, the residual stream and the
+norms) runs on the call's real tokens only, an (N, D) matrix gathered once by the attention mask;
+only the rotation and attention see the (B, L, D) layout, their inputs gathered into it (padded
+positions copy some real token: attention masks them) and their output gathered back. A call of
+rows padded to a common length then computes no padding in its projections, most of its FLOPs.
+The price is a data-dependent shape (N): such a graph cannot run at fixed shapes (a captured CUDA
+graph, a TensorRT engine), so only the float32 bundles (the CPU's) are built this way. (ONNX Runtime's
 SkipLayerNormalization would fuse the residual add too, but its CPU kernel is several times
 slower than Add + LayerNormalization.)
 
@@ -95,16 +104,18 @@ def _needed_nodes(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
     return kept[::-1]
 
 
-def substitute_encoder(model: onnx.ModelProto, module: DecisionGraph, *, max_len: int) -> onnx.ModelProto:
+def substitute_encoder(model: onnx.ModelProto, module: DecisionGraph, *, max_len: int,
+                       unpad: bool = False) -> onnx.ModelProto:
     """`model` (the traced float32 export of `module`, weights loaded) with its encoder on ONNX
-    Runtime's fused operators; rows of up to `max_len` tokens (the RoPE tables' length)."""
+    Runtime's fused operators; rows of up to `max_len` tokens (the RoPE tables' length); with
+    `unpad`, its token-wise work on real tokens only (see the module docstring)."""
     if max_len < 1:
         raise ValueError(f"max_len must be at least 1, got {max_len}")
     config = module.encoder.config
     weights = {name: tensor.detach().float().numpy() for name, tensor in module.state_dict().items()}
     rope = {layer_type: _rope_tables(getattr(module.encoder, f"{layer_type}_inv_freq"), max_len)
             for layer_type in (GLOBAL, LOCAL)}
-    replaced = replace_encoder(model, lambda hidden: _EncoderBuilder(config, weights, rope).build(hidden))
+    replaced = replace_encoder(model, lambda hidden: _EncoderBuilder(config, weights, rope, unpad).build(hidden))
     if not any(opset.domain == CONTRIB_DOMAIN for opset in replaced.opset_import):
         replaced.opset_import.append(helper.make_opsetid(CONTRIB_DOMAIN, 1))
     return replaced
@@ -129,14 +140,26 @@ class _Windows:
     length: str       # (1,) int64: L, where the context is cut back
 
 
+@dataclass(frozen=True)
+class _RealTokens:
+    """Names of the tensors that move rows between the (B, L, D) layout and the real tokens."""
+
+    token_ids: str      # (N,) int64: the real tokens' ids
+    token_index: str    # (N,) int64: the flat position b * L + l of each real token, in order
+    padded_index: str   # (B * L,) int64: for each position, the real token (row of N) it copies
+    padded_shape: str   # (3,) int64: B, L, D
+    rows_shape: str     # (2,) int64: -1, D
+
+
 class _EncoderBuilder:
     """Accumulates the nodes and initializers of one substituted encoder."""
 
     def __init__(self, config: EncoderConfig, weights: dict[str, np.ndarray],
-                 rope: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
+                 rope: dict[str, tuple[np.ndarray, np.ndarray]], unpad: bool) -> None:
         self.config = config
         self.weights = weights
         self.rope = rope
+        self.unpad = unpad
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
 
@@ -182,7 +205,9 @@ class _EncoderBuilder:
                              for part, table in zip(("cos", "sin"), tables)]
                 for layer_type, tables in self.rope.items()}
         first_position = self.literal("first_position", [0])
-        embedded = self.node("Gather", ["encoder.embeddings.tok_embeddings.weight", "input_ids"], "embeddings/gather")
+        tokens = self.real_tokens() if self.unpad else None
+        token_ids = "input_ids" if tokens is None else tokens.token_ids
+        embedded = self.node("Gather", ["encoder.embeddings.tok_embeddings.weight", token_ids], "embeddings/gather")
         residual = self.node("LayerNormalization", [embedded, "encoder.embeddings.norm.weight"], "embeddings/norm",
                              axis=-1, epsilon=config.norm_eps)
         normed = residual  # layer 0 has no attn_norm: it reads the normed embeddings
@@ -194,6 +219,8 @@ class _EncoderBuilder:
             q = self.projection(normed, wqkv[:d], prefix + "attn.Wq")
             k = self.projection(normed, wqkv[d:2 * d], prefix + "attn.Wk")
             v = self.projection(normed, wqkv[2 * d:], prefix + "attn.Wv")
+            if tokens is not None:
+                q, k, v = (self.padded(x, tokens, f"{scope}/padded_{part}") for x, part in ((q, "q"), (k, "k"), (v, "v")))
             q, k = (self.fused("RotaryEmbedding", [x, first_position, *rope[layer_type]], f"{scope}/rope_{part}",
                                num_heads=config.num_heads) for x, part in ((q, "q"), (k, "k")))
             if layer_type == LOCAL:
@@ -201,6 +228,8 @@ class _EncoderBuilder:
             else:
                 context = self.fused("MultiHeadAttention", [q, k, v, "", key_padding], f"{scope}/attention",
                                      **attention)
+            if tokens is not None:
+                context = self.real(context, tokens, f"{scope}/real_context")
             attn_out = self.projection(context, self.weights[prefix + "attn.Wo.weight"], prefix + "attn.Wo")
             mlp_in, residual = self.add_norm(residual, attn_out, prefix + "mlp_norm.weight", f"{scope}/mlp_norm")
             wi = self.weights[prefix + "mlp.Wi.weight"]
@@ -212,8 +241,43 @@ class _EncoderBuilder:
             last = i == config.num_layers - 1
             norm_weight = "encoder.final_norm.weight" if last else f"encoder.layers.{i + 1}.attn_norm.weight"
             normed, residual = self.add_norm(residual, mlp_out, norm_weight, f"{scope}/next_norm",
-                                             normed=hidden if last else None)
+                                             normed=hidden if last and tokens is None else None)
+        if tokens is not None:
+            self.padded(normed, tokens, "unpad/hidden", output=hidden)
         return self.nodes, self.initializers
+
+    def real_tokens(self) -> _RealTokens:
+        """The gather indices between (B, L) positions and the real tokens (attention_mask != 0).
+
+        A padded position copies the last real token before it (the first row's leading padding,
+        which the processor never sends, copies token 0): any finite value serves, attention masks it."""
+        flat = self.literal("unpad/flat", [-1])
+        real = self.node("Cast", [self.node("Reshape", ["attention_mask", flat], "unpad/flat_mask")], "unpad/real",
+                         to=TensorProto.BOOL)
+        token_index = self.node("Squeeze", [self.node("NonZero", [real], "unpad/nonzero"),
+                                            self.literal("unpad/index_axis", [0])], "unpad/token_index")
+        seen = self.node("CumSum", [self.node("Cast", [real], "unpad/real_count", to=TensorProto.INT64),
+                                    self.literal("unpad/cumsum_axis", 0)], "unpad/seen")
+        latest = self.node("Sub", [seen, self.literal("unpad/one", 1)], "unpad/latest")
+        padded_index = self.node("Max", [latest, self.literal("unpad/zero", 0)], "unpad/padded_index")
+        padded_shape = self.node("Concat", [self.node("Shape", ["input_ids"], "unpad/input_shape"),
+                                            self.literal("unpad/width", [self.config.hidden_size])],
+                                 "unpad/padded_shape", axis=0)
+        token_ids = self.node("Gather", [self.node("Reshape", ["input_ids", flat], "unpad/flat_ids"), token_index],
+                              "unpad/token_ids", axis=0)
+        return _RealTokens(token_ids=token_ids, token_index=token_index, padded_index=padded_index,
+                           padded_shape=padded_shape,
+                           rows_shape=self.literal("unpad/rows_shape", [-1, self.config.hidden_size]))
+
+    def padded(self, x: str, tokens: _RealTokens, name: str, *, output: str | None = None) -> str:
+        """(N, D) real tokens -> (B, L, D)."""
+        rows = self.node("Gather", [x, tokens.padded_index], f"{name}/rows", axis=0)
+        return self.node("Reshape", [rows, tokens.padded_shape], name, outputs=[output] if output else None)
+
+    def real(self, x: str, tokens: _RealTokens, name: str) -> str:
+        """(B, L, D) -> (N, D) real tokens."""
+        flat = self.node("Reshape", [x, tokens.rows_shape], f"{name}/flat")
+        return self.node("Gather", [flat, tokens.token_index], name, axis=0)
 
     def local_windows(self) -> _Windows:
         """`graph.LocalWindows.build` in ONNX: blocks of `block` = half-width queries, each scoring
