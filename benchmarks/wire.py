@@ -4,8 +4,16 @@ socket) and as shared memory (a memory file), to show where wire.SHM_THRESHOLD_B
 also with both ends sleeping at once (spin_wait_us 0), to show what wire.SpinWait saves.
 
     python benchmarks/wire.py [--json PATH] [--quick]
+    python benchmarks/wire.py --phases [--json PATH]
 
 Target: the worker adds at most 100 us (median) at 4 KB on the 2-core CPU machine.
+
+`--phases` takes the 4 KB round trip apart, with no WorkerClient or worker loop in the way: a
+forked child answers through the wire functions alone, both ends polling, (a) echoing the frame,
+(b) running the worker's GraphSession on it, and (c) running the same GraphSession on a fixed array
+between two shared-memory counters that both ends spin on (no system call on the path). Each child
+also times GraphSession.run in a tight loop of its own first ("quiet"), so the rows show what
+alternating with the other process does to the same call.
 """
 
 from __future__ import annotations
@@ -13,6 +21,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import mmap
 import platform
 import os
 import select
@@ -32,6 +41,7 @@ from omnigraph.bundles import pack_bundle
 from omnigraph.workers.client import WorkerClient
 from omnigraph.workers import wire
 from omnigraph.workers.route import WorkerRoute
+from omnigraph.workers.session import load_session
 from omnigraph.workers.wire import SHM_THRESHOLD_BYTES, SPIN_WAIT_US
 
 CASES = [("4KB", 4 * 1024, 5000), ("1MB", 1024 * 1024, 500), ("64MB", 64 * 1024 * 1024, 30)]
@@ -112,6 +122,80 @@ def codec_cpu_us(nbytes: int, iterations: int) -> tuple[float, float]:
     return encode / iterations / 1000.0, decode / iterations / 1000.0
 
 
+def _spin_until_changed(counters: np.ndarray, index: int, seen: int) -> int:
+    while counters[index] == seen:
+        pass
+    return int(counters[index])
+
+
+def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
+    """(phase, metric, median us) rows of the three ping-pongs of `--phases` (see the docstring)."""
+    route = WorkerRoute(name="bench-phases", interpreter=sys.executable, intra_op_num_threads=1)
+    tensors = {"x": np.zeros(1024, np.float32)}
+    limit = 1 << 20
+    rows = []
+    for phase in ("socket echo", "socket + GraphSession.run", "shared-memory counters + GraphSession.run"):
+        ours, theirs = socket.socketpair()
+        counters = np.frombuffer(mmap.mmap(-1, mmap.PAGESIZE), np.int64, 3)  # to child, to parent, child's us
+        pid = os.fork()
+        if pid == 0:  # the answering process: reports its medians through counters[2] and the socket
+            ours.close()
+            graph = load_session(str(manifest), route)[0] if "GraphSession" in phase else None
+            quiet = timings_us(lambda: graph.run(tensors, {"x": "float32"}), iterations) if graph else np.zeros(1)
+            inside, wait, seen = [], wire.SpinWait(theirs, SPIN_WAIT_US), 0
+            theirs.send(b"r")
+            while True:
+                if phase.startswith("shared"):
+                    seen = _spin_until_changed(counters, 0, seen)
+                    if seen < 0:
+                        break
+                    arrays = tensors
+                else:
+                    wait()
+                    try:
+                        frame = wire.read_frame(theirs, max_payload_bytes=limit)
+                    except wire.PeerClosed:
+                        break
+                    arrays = wire.read_payload(theirs, frame)
+                if graph is not None:
+                    start = time.perf_counter_ns()
+                    arrays = graph.run(arrays, {"x": "float32"})
+                    inside.append((time.perf_counter_ns() - start) / 1000.0)
+                if phase.startswith("shared"):
+                    counters[1] += 1
+                else:
+                    wire.send_frame(theirs, "result", epoch=1, generation=1, tensors=arrays, max_payload_bytes=limit,
+                                    binary=True)
+            theirs.send(np.array([np.median(quiet), np.median(inside) if inside else 0.0]).tobytes())
+            os._exit(0)
+        theirs.close()
+        ours.recv(1)  # loaded and timed alone
+        wait, seen = wire.SpinWait(ours, SPIN_WAIT_US), 0
+
+        def round_trip() -> None:
+            nonlocal seen
+            if phase.startswith("shared"):
+                counters[0] += 1
+                seen = _spin_until_changed(counters, 1, seen)
+            else:
+                wire.send_frame(ours, "run", epoch=1, generation=1, tensors=tensors, max_payload_bytes=limit,
+                                binary=True)
+                wait()
+                wire.recv_message(ours, max_payload_bytes=limit)
+
+        rows.append((phase, "round_trip_median", float(np.median(timings_us(round_trip, iterations)))))
+        if phase.startswith("shared"):
+            counters[0] = -1
+        else:
+            ours.shutdown(socket.SHUT_WR)
+        quiet, inside = np.frombuffer(ours.recv(16), np.float64)
+        ours.close()
+        os.waitpid(pid, 0)
+        if "GraphSession" in phase:
+            rows += [(phase, "graph_run_quiet_median", float(quiet)), (phase, "graph_run_inside_median", float(inside))]
+    return rows
+
+
 def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -126,6 +210,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, help="also write the rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="a tenth of the iterations")
+    parser.add_argument("--phases", action="store_true", help="take the 4 KB round trip apart (see the docstring)")
     args = parser.parse_args()
     identity = {
         "cpu": cpu_name(),
@@ -138,6 +223,8 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         bundle = identity_bundle(Path(tmp) / "identity")
+        if args.phases:
+            return _report_phases(phases_us(bundle.manifest_path, 10000), identity, args.json)
         options = ort.SessionOptions()
         options.intra_op_num_threads = 1
         session = ort.InferenceSession(str(bundle.graph_path), options, providers=["CPUExecutionProvider"])
@@ -185,6 +272,18 @@ def main() -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+def _report_phases(measured: list[tuple[str, str, float]], identity: dict, json_path: Path | None) -> int:
+    rows = [{"case": "4KB", "path": phase, "metric": metric, "value": round(value, 1), "unit": "us", **identity}
+            for phase, metric, value in measured]
+    print(f"{'phase':<44} {'metric':<26} {'value':>10}")
+    for row in rows:
+        print(f"{row['path']:<44} {row['metric']:<26} {row['value']:>8.1f} {row['unit']}")
+    if json_path:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 
 
