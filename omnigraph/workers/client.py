@@ -81,6 +81,9 @@ class WorkerClient:
         self._call_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._min_epoch = 0
+        # The highest epoch sent: the worker refuses anything below it, so load / stats / close
+        # (which belong to no request) carry it rather than the fenced floor.
+        self._sent_epoch = 0
         self._closed = False
         self._sock_timeout: float | None = None
         self.load_report: LoadReport | None = None
@@ -269,13 +272,15 @@ class WorkerClient:
               body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None,
               binary: bool = False) -> None:
         with self._send_lock:
+            if epoch is None:
+                epoch = max(self._min_epoch, self._sent_epoch)
             wire.send_frame(
-                self._sock, msg_type, request_id=request_id, stage_id=stage_id,
-                epoch=self._min_epoch if epoch is None else epoch,
+                self._sock, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
                 generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
                 max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
                 binary=binary,
             )
+            self._sent_epoch = max(self._sent_epoch, epoch)
 
     def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",
                           **fields: Any) -> tuple[wire.Frame, dict[str, Any], dict[str, np.ndarray]]:

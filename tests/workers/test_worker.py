@@ -153,6 +153,17 @@ def test_stale_epoch_is_refused_by_client_and_worker(start_worker, affine_bundle
     assert client.stats()["max_epoch"] == 9
 
 
+def test_load_stats_and_close_follow_the_epochs_the_calls_used(cpu_route, affine_bundle):
+    """Calls carry their requests' epochs (the pipeline's, raised by each cancellation); the
+    messages of no request (stats, load, close) carry the highest one sent, which the worker takes."""
+    client = WorkerClient.start(cpu_route, generation=1)
+    client.load(affine_bundle.manifest_path)
+    client.run(affine_inputs(1, 4), request_id="a", stage_id=0, epoch=3)
+    assert client.stats()["max_epoch"] == 3
+    client.load(affine_bundle.manifest_path)
+    assert client.close() == 0  # answered and exited, not killed
+
+
 def test_fence_discards_the_reply_of_an_older_call(start_worker, slow_bundle):
     client = start_worker()
     client.load(slow_bundle.manifest_path)
