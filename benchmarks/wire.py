@@ -128,44 +128,49 @@ def _spin_until_changed(counters: np.ndarray, index: int, seen: int) -> int:
     return int(counters[index])
 
 
+# --phases: (name, through the socket, runs the GraphSession); otherwise shared-memory counters.
+PHASES = [("socket echo", True, False), ("socket + GraphSession.run", True, True),
+          ("shared-memory counters + GraphSession.run", False, True)]
+
+
 def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
     """(phase, metric, median us) rows of the three ping-pongs of `--phases` (see the docstring)."""
     route = WorkerRoute(name="bench-phases", interpreter=sys.executable, intra_op_num_threads=1)
     tensors = {"x": np.zeros(1024, np.float32)}
     limit = 1 << 20
     rows = []
-    for phase in ("socket echo", "socket + GraphSession.run", "shared-memory counters + GraphSession.run"):
+    for phase, through_socket, runs_graph in PHASES:
         ours, theirs = socket.socketpair()
-        counters = np.frombuffer(mmap.mmap(-1, mmap.PAGESIZE), np.int64, 3)  # to child, to parent, child's us
+        counters = np.frombuffer(mmap.mmap(-1, mmap.PAGESIZE), np.int64, 2)  # posted to the child, to the parent
         pid = os.fork()
-        if pid == 0:  # the answering process: reports its medians through counters[2] and the socket
+        if pid == 0:  # the answering process; its two medians go back through the socket at the end
             ours.close()
-            graph = load_session(str(manifest), route)[0] if "GraphSession" in phase else None
+            graph = load_session(str(manifest), route)[0] if runs_graph else None
             quiet = timings_us(lambda: graph.run(tensors, {"x": "float32"}), iterations) if graph else np.zeros(1)
             inside, wait, seen = [], wire.SpinWait(theirs, SPIN_WAIT_US), 0
             theirs.send(b"r")
             while True:
-                if phase.startswith("shared"):
-                    seen = _spin_until_changed(counters, 0, seen)
-                    if seen < 0:
-                        break
-                    arrays = tensors
-                else:
+                if through_socket:
                     wait()
                     try:
                         frame = wire.read_frame(theirs, max_payload_bytes=limit)
                     except wire.PeerClosed:
                         break
                     arrays = wire.read_payload(theirs, frame)
+                else:
+                    seen = _spin_until_changed(counters, 0, seen)
+                    if seen < 0:
+                        break
+                    arrays = tensors
                 if graph is not None:
                     start = time.perf_counter_ns()
                     arrays = graph.run(arrays, {"x": "float32"})
                     inside.append((time.perf_counter_ns() - start) / 1000.0)
-                if phase.startswith("shared"):
-                    counters[1] += 1
-                else:
+                if through_socket:
                     wire.send_frame(theirs, "result", epoch=1, generation=1, tensors=arrays, max_payload_bytes=limit,
                                     binary=True)
+                else:
+                    counters[1] += 1
             theirs.send(np.array([np.median(quiet), np.median(inside) if inside else 0.0]).tobytes())
             os._exit(0)
         theirs.close()
@@ -174,24 +179,24 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
 
         def round_trip() -> None:
             nonlocal seen
-            if phase.startswith("shared"):
-                counters[0] += 1
-                seen = _spin_until_changed(counters, 1, seen)
-            else:
+            if through_socket:
                 wire.send_frame(ours, "run", epoch=1, generation=1, tensors=tensors, max_payload_bytes=limit,
                                 binary=True)
                 wait()
                 wire.recv_message(ours, max_payload_bytes=limit)
+            else:
+                counters[0] += 1
+                seen = _spin_until_changed(counters, 1, seen)
 
         rows.append((phase, "round_trip_median", float(np.median(timings_us(round_trip, iterations)))))
-        if phase.startswith("shared"):
-            counters[0] = -1
-        else:
+        if through_socket:
             ours.shutdown(socket.SHUT_WR)
+        else:
+            counters[0] = -1
         quiet, inside = np.frombuffer(ours.recv(16), np.float64)
         ours.close()
         os.waitpid(pid, 0)
-        if "GraphSession" in phase:
+        if runs_graph:
             rows += [(phase, "graph_run_quiet_median", float(quiet)), (phase, "graph_run_inside_median", float(inside))]
     return rows
 

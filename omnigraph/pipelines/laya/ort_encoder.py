@@ -12,18 +12,18 @@ compute. `substitute_encoder` replaces them by a chain built here from the same 
 
 so the rotation and the attention's scale, mask, softmax and head transposes each run as one
 fused kernel (ONNX Runtime's `com.microsoft` operators, implemented on its CPU and CUDA execution
-providers), and nothing is left to compute shapes but the local windows' tables.
-
-Unpadded (`unpad=True`, as ModernBERT itself runs without flash attention's padding): everything
-that works token by token (the embedding, every projection, GeGLU, the residual stream and the
-norms) runs on the call's real tokens only, an (N, D) matrix gathered once by the attention mask;
-only the rotation and attention see the (B, L, D) layout, their inputs gathered into it (padded
-positions copy some real token: attention masks them) and their output gathered back. A call of
-rows padded to a common length then computes no padding in its projections, most of its FLOPs.
-The price is a data-dependent shape (N): such a graph cannot run at fixed shapes (a captured CUDA
-graph, a TensorRT engine), so only the float32 bundles (the CPU's) are built this way. (ONNX Runtime's
+providers), and nothing is left to compute shapes but the local windows' tables. (ONNX Runtime's
 SkipLayerNormalization would fuse the residual add too, but its CPU kernel is several times
 slower than Add + LayerNormalization.)
+
+Unpadded (`unpad=True`, as ModernBERT itself runs when it can): everything that works token by
+token (the embedding, every projection, GeGLU, the residual stream and the norms) runs on the
+call's real tokens only, an (N, D) matrix gathered once by the attention mask; only the rotation
+and attention see the (B, L, D) layout, their inputs gathered into it (padded positions copy some
+real token: attention masks them) and their output gathered back. A call of rows padded to a
+common length then computes no padding in its projections, most of its FLOPs. The price is a
+data-dependent shape (N): such a graph cannot run at fixed shapes (a captured CUDA graph, a
+TensorRT engine), so only the float32 bundles (the CPU's) are built this way.
 
 A local layer attends block by block as `graph.LocalWindows` describes: the queries in blocks of
 half-width rows, each block with the `width` keys its windows reach, one MultiHeadAttention over
