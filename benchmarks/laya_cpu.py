@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
-import json
 import math
 import os
 import platform
@@ -32,9 +30,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 # Run as a script, this folder is sys.path[0], where benchmarks/http.py shadows the standard
-# library's `http` (which torch and httpx import).
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+# library's `http` (which torch and httpx import): it goes to the end of the path instead, where
+# it still provides laya_gpu.py, the harness this script shares.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
+
+import laya_gpu as harness  # noqa: E402
 
 TARGET_SPEEDUP = 2.0
 ROUNDS = 4
@@ -88,14 +89,6 @@ def matmul_rate(threads: int | None = None, repeats: int = 30) -> float:
     return m * k * n / best
 
 
-def _harness() -> Any:
-    """benchmarks/laya_gpu.py, whose request builder and statistics this script shares."""
-    spec = importlib.util.spec_from_file_location("laya_gpu", Path(__file__).with_name("laya_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["laya_gpu"] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
-
 
 def time_in_blocks(calls: dict[str, Callable[[], Any]], requests: int, warmup: int,
                    rounds: int = ROUNDS) -> dict[str, list[float]]:
@@ -140,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
     from omnigraph.pipelines.laya.sequence import BatchLayout
     from omnigraph.pipelines.laya.synth import cached_checkpoint
 
-    harness = _harness()
     checkpoint = cached_checkpoint(args.size, seed=args.seed)
     bundle = cached_bundle(checkpoint)
     lengths = harness.build_requests(checkpoint, tuple(args.lengths))
@@ -224,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'' if row.get('answers_equal', True) else '  ANSWERS DIFFER'}"
               f"{'  rounds ' + str(row['round_p50_ms']) if row['metric'] == 'p50_ms' else ''}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        harness.write_json(args.json, rows)
     return 0
 
 

@@ -270,13 +270,17 @@ class Run:
         return self.args.time_budget - (time.monotonic() - self.started)
 
     def write(self) -> None:
-        if self.args.json is None:
-            return
-        self.args.json.parent.mkdir(parents=True, exist_ok=True)
-        payload = self.rows + targets(self.rows, self.identity)
-        temporary = self.args.json.with_name(self.args.json.name + ".tmp")
-        temporary.write_text(json.dumps(payload, indent=2, default=str) + "\n")
-        temporary.replace(self.args.json)
+        if self.args.json is not None:
+            write_json(self.args.json, self.rows + targets(self.rows, self.identity))
+
+
+def write_json(path: Path, payload: Any) -> None:
+    """`payload` as indented JSON at `path` (its folder made), swapped in whole: a run cut short,
+    or a reader meanwhile, never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    temporary.replace(path)
 
 
 def _versions() -> dict[str, str]:

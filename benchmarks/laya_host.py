@@ -34,9 +34,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
-import itertools
-import json
 import os
 import platform
 import sys
@@ -46,9 +43,12 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 # Run as a script, this folder is sys.path[0], where benchmarks/http.py shadows the standard
-# library's `http`.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+# library's `http` (which torch and httpx import): it goes to the end of the path instead, where
+# it still provides laya_gpu.py, the harness this script shares.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
+
+import laya_gpu as harness  # noqa: E402
 
 import numpy as np
 
@@ -57,14 +57,6 @@ PACK_ITEMS = (1, 8, 32)
 ROUNDS = 5
 WARMUP = 3  # untimed calls before each round of a stage
 
-
-def _harness() -> Any:
-    """benchmarks/laya_gpu.py, whose request builder and identity helpers this script shares."""
-    spec = importlib.util.spec_from_file_location("laya_gpu", Path(__file__).with_name("laya_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["laya_gpu"] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
 
 @dataclass
@@ -207,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
 
     import omnigraph
 
-    harness = _harness()
     texts_per_case = args.rounds * (args.calls + WARMUP)
     calls = [entry for size in args.sizes for entry in stage_calls(size, args.seed, harness, texts_per_case)]
     samples = [Samples() for _ in calls]
@@ -244,8 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{row['size']:<6} {row['tokens']:>6} {row['request']:<3} {row['case']:<18} {row.get('route', ''):<10} "
               f"{row['value']:>10.2f} {cpu_of[id(row)]:>8.2f} {per_row:>8}  {row['round_median_us']}")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        harness.write_json(args.json, rows)
     return 0
 
 

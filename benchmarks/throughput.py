@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import importlib.util
 import json
 import os
 import sys
@@ -52,12 +51,15 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable
 
 # Run as a script, this folder is sys.path[0], where benchmarks/http.py shadows the standard
-# library's `http` (which torch and httpx import).
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
+# library's `http` (which torch and httpx import): it goes to the end of the path instead, where
+# it still provides laya_gpu.py, the harness this script shares.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
+
+import laya_gpu as harness  # noqa: E402
 
 CONCURRENCY = (1, 8, 32, 64)
 PREDICT_BATCH = 64
@@ -74,16 +76,7 @@ LAYA_CUDA, LAYA_BATCH = "laya-cuda BatchEngine", "laya predict_batch"
 CASES = ("host", "omnigraph", "laya-cuda", "laya")
 
 
-def _harness() -> Any:
-    """benchmarks/laya_gpu.py, whose requests, plans, statistics and run identity this script shares."""
-    spec = importlib.util.spec_from_file_location("laya_gpu", Path(__file__).with_name("laya_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["laya_gpu"] = module  # dataclasses look their module up while the file executes
-    spec.loader.exec_module(module)
-    return module
 
-
-harness = _harness()
 
 
 @dataclass(frozen=True)
@@ -156,13 +149,8 @@ class Run:
         self.write()
 
     def write(self) -> None:
-        if self.args.json is None:
-            return
-        self.args.json.parent.mkdir(parents=True, exist_ok=True)
-        temporary = self.args.json.with_name(self.args.json.name + ".tmp")
-        temporary.write_text(json.dumps(self.rows + targets(self.rows, self.args.device), indent=2,
-                                        default=str) + "\n")
-        temporary.replace(self.args.json)
+        if self.args.json is not None:
+            harness.write_json(self.args.json, self.rows + targets(self.rows, self.args.device))
 
 
 # ----------------------------------------------------------------------------------------------

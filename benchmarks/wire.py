@@ -275,9 +275,13 @@ def main() -> int:
     print(f"4KB worker overhead {overhead:.1f} us: {verdict} the {TARGET_OVERHEAD_US_4KB:.0f} us target")
     print(f"{identity['cpu']}, python {identity['python']}, onnxruntime {identity['onnxruntime']}, {identity['date']}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+        _write_rows(args.json, rows)
     return 0
+
+
+def _write_rows(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=2) + "\n")
 
 
 def _report_phases(measured: list[tuple[str, str, float]], identity: dict, json_path: Path | None) -> int:
@@ -287,8 +291,7 @@ def _report_phases(measured: list[tuple[str, str, float]], identity: dict, json_
     for row in rows:
         print(f"{row['path']:<44} {row['metric']:<26} {row['value']:>8.1f} {row['unit']}")
     if json_path:
-        json_path.parent.mkdir(parents=True, exist_ok=True)
-        json_path.write_text(json.dumps(rows, indent=2) + "\n")
+        _write_rows(json_path, rows)
     return 0
 
 

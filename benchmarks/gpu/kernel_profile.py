@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
-import json
 import platform
 import shlex
 import statistics
@@ -24,7 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-LAYA_GPU = Path(__file__).resolve().parents[1] / "laya_gpu.py"  # the requests every GPU case answers
+# Run as a script, this folder is sys.path[0]; the parent holds laya_gpu.py (the requests every GPU
+# case answers) and benchmarks/http.py, which shadows the standard library's `http`: the parent
+# goes to the end of the path, where it provides the one without the other.
+HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (HERE, HERE.parent)] + [str(HERE.parent)]
+
+import laya_gpu  # noqa: E402
 
 # Kernel name fragments -> the operator family they belong to (first match wins).
 FAMILIES = (
@@ -49,9 +53,6 @@ def profile_bundle(name: str, bundle: Path, checkpoint: Path, lengths: list[int]
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    spec = importlib.util.spec_from_file_location("laya_gpu", LAYA_GPU)
-    laya_gpu = sys.modules["laya_gpu"] = importlib.util.module_from_spec(spec)  # (dataclasses need the entry)
-    spec.loader.exec_module(laya_gpu)
     from omnigraph.bundles import verify_bundle
     from omnigraph.pipelines.laya.processor import LayaProcessor
     from omnigraph.workers.route import WorkerRoute
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"case": name, "metric": "status", "value": "error", "unit": "",
                          "detail": f"{type(error).__name__}: {error}"})
         if args.json:
-            args.json.write_text(json.dumps([{**row, **identity} for row in rows], indent=2) + "\n")
+            laya_gpu.write_json(args.json, [{**row, **identity} for row in rows])
     for row in rows:
         extra = f"  x{row['calls_per_forward']}  {row['kernel']}" if row.get("kernel") else ""
         print(f"{row['case']:<24} {row['metric']:<32} {row['value']!s:>10} {row['unit']}{extra}")

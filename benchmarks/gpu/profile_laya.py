@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import importlib.util
 import json
 import statistics
 import sys
@@ -25,18 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+# Run as a script, this folder is sys.path[0]; the parent holds laya_gpu.py, the harness this
+# script shares, and benchmarks/http.py, which shadows the standard library's `http`: the parent
+# goes to the end of the path, where it provides the one without the other.
 HERE = Path(__file__).resolve().parent
-if sys.path and Path(sys.path[0]).resolve() == HERE:
-    del sys.path[0]
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (HERE, HERE.parent)] + [str(HERE.parent)]
 
+import laya_gpu as harness  # noqa: E402
 
-def _harness() -> Any:
-    """benchmarks/laya_gpu.py, for its requests, routes and statistics."""
-    spec = importlib.util.spec_from_file_location("laya_gpu", HERE.parent / "laya_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["laya_gpu"] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def kernel_profile(bundle: Path, lengths: list, runs: int) -> list[dict]:
@@ -150,7 +145,6 @@ def main() -> int:
     args = parser.parse_args()
     import torch  # noqa: F401  (loads the CUDA libraries onnxruntime-gpu needs, before it)
 
-    harness = _harness()
     lengths = harness.build_requests(args.checkpoint, tuple(args.lengths))
     run_args = argparse.Namespace(device="cuda", strict_placement=False)
     plan = harness.ort_plan(argparse.Namespace(args=run_args), args.case, args.bundle)
@@ -163,7 +157,7 @@ def main() -> int:
             rows.append({"case": "error", "metric": "exception", "value": f"{type(error).__name__}: {error}",
                          "unit": ""})
         if args.json is not None:
-            args.json.write_text(json.dumps(rows, indent=2, default=str) + "\n")
+            harness.write_json(args.json, rows)
     for row in rows:
         if row["case"] == "kernels" and row["metric"] == "us_per_forward" and row["value"] < 5:
             continue
