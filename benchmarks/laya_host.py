@@ -127,8 +127,12 @@ def stage_calls(size: str, seed: int, harness: Any,
     processor = LayaProcessor({0: bundle})
     layout = processor.layout
     tokenizer = LayaTokenizer(bundle.file("tokenizer.json"), bundle.file("tokenizer_config.json"))
-    adapters = {route: LayaBatchAdapter(bundle, WorkerRoute(name=route, interpreter=sys.executable, **options))
-                for route, options in (("cpu", {}), ("cuda-graph", {"ep": "cuda", "enable_cuda_graph": True}))}
+    # Each route with the bundle it serves: the fp32 bundle computes real tokens only, which a
+    # CUDA-graph route refuses, so that route's adapter is built on the bf16 bundle (same layout).
+    gpu_bundle = verify_bundle(cached_bundle(checkpoint, precision="bf16"))
+    adapters = {route: LayaBatchAdapter(served, WorkerRoute(name=route, interpreter=sys.executable, **options))
+                for route, served, options in (("cpu", bundle, {}),
+                                               ("cuda-graph", gpu_bundle, {"ep": "cuda", "enable_cuda_graph": True}))}
     rng = np.random.default_rng(0)
     calls: list[tuple[dict[str, Any], Callable[[], Any]]] = []
     for requests in harness.build_requests(checkpoint, LENGTHS):
