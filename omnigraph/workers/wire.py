@@ -429,6 +429,17 @@ def send_frame(
     for key, value in (("stage_id", stage_id), ("epoch", epoch), ("generation", generation)):
         _checked_int(key, value)
     tensors = tensors or {}
+    if binary and not body and msg_type in BINARY_MESSAGE_TYPES:
+        layout = _binary_layout(tensors)
+        if layout is None:  # a value that is not an array yet
+            tensors = {name: np.asarray(value) for name, value in tensors.items()}
+            layout = _binary_layout(tensors)
+        if layout.largest < shm_threshold_bytes:
+            if layout.payload_nbytes > max_payload_bytes:
+                raise PayloadTooLarge(f"tensors add up to {layout.payload_nbytes} bytes (64-byte aligned), "
+                                      f"more than {max_payload_bytes}")
+            _send_binary(sock, msg_type, request_id, stage_id, epoch, generation, instance, tensors, layout)
+            return
     if len(tensors) > MAX_TENSORS:
         raise TooManyTensors(f"{len(tensors)} tensors, at most {MAX_TENSORS}")
     entries: list[tuple[str, str, tuple[int, ...], int, str]] = []  # name, dtype, shape, nbytes, location
@@ -459,15 +470,10 @@ def send_frame(
                     buffers.append(_PADDING[: extent - nbytes])
                 offset += extent
             entries.append((name, dtype, array.shape, nbytes, where))
-        if binary and not fds and not body and msg_type in BINARY_MESSAGE_TYPES:
-            magic = MAGIC_BINARY
-            header_bytes = _binary_header(msg_type, request_id, stage_id, epoch, generation, instance, entries)
-        else:
-            magic = MAGIC
-            header_bytes = _json_header(opening, request_id, stage_id, epoch, generation, instance, body, entries, bool(fds))
+        header_bytes = _json_header(opening, request_id, stage_id, epoch, generation, instance, body, entries, bool(fds))
         if len(header_bytes) > MAX_HEADER_BYTES:
             raise HeaderTooLarge(f"header of {len(header_bytes)} bytes, at most {MAX_HEADER_BYTES}")
-        buffers[0] = PREFIX.pack(magic, WIRE_VERSION, 0, len(header_bytes), offset, 0) + header_bytes
+        buffers[0] = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0) + header_bytes
         _sendmsg_all(sock, buffers, len(buffers[0]) + offset, fds)
     finally:
         for fd in fds:
@@ -496,17 +502,75 @@ def _binary_string(value: str) -> bytes:
     return value.encode()
 
 
-def _binary_header(msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
-                   entries: list[tuple[str, str, tuple[int, ...], int, str]]) -> bytes:
-    """The binary header of a run or result frame (layout in the module docstring)."""
-    rid, inst = _binary_string(request_id), _binary_string(instance)
-    parts = [_BINARY_FIXED.pack(BINARY_MESSAGE_TYPES.index(msg_type) + 1, len(entries), len(rid), len(inst),
-                                stage_id, epoch, generation), rid, inst]
-    for name, dtype, shape, nbytes, _ in entries:
+class _BinaryLayout(NamedTuple):
+    """What a binary header says about a set of tensors, whatever their values: kept by their
+    (name, dtype, shape), since a stage sends the same few layouts call after call."""
+
+    section: bytes                     # the header's tensor section
+    paddings: tuple[bytes, ...]        # the zero bytes after each tensor (to the next 64)
+    payload_nbytes: int                # the aligned sum
+    largest: int                       # the largest tensor's nbytes (shared memory decides by it)
+
+
+# Why: bounded, since the caller chooses the shapes (one layout per bucket shape in practice).
+_BINARY_LAYOUTS_MAX = 256
+_binary_layouts: dict[tuple[tuple[str, np.dtype, tuple[int, ...]], ...], _BinaryLayout] = {}
+
+
+def _binary_layout(tensors: Mapping[str, np.ndarray]) -> _BinaryLayout | None:
+    """The layout of ``tensors`` (refusing what the receiver would refuse); None when one of them
+    is not a numpy array (the general path converts it)."""
+    key = []
+    for name, array in tensors.items():
+        if type(array) is not np.ndarray:
+            return None
+        key.append((name, array.dtype, array.shape))
+    layout_key = tuple(key)
+    layout = _binary_layouts.get(layout_key)
+    if layout is None:
+        layout = _new_binary_layout(layout_key)
+        if len(_binary_layouts) >= _BINARY_LAYOUTS_MAX:
+            _binary_layouts.clear()
+        _binary_layouts[layout_key] = layout
+    return layout
+
+
+def _new_binary_layout(key: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -> _BinaryLayout:
+    if len(key) > MAX_TENSORS:
+        raise TooManyTensors(f"{len(key)} tensors, at most {MAX_TENSORS}")
+    parts: list[bytes] = []
+    paddings = []
+    total = largest = 0
+    for name, dtype, shape in key:
+        if len(shape) > MAX_RANK:
+            raise BadShape(f"tensor {name!r} has rank {len(shape)}, at most {MAX_RANK}")
+        wire_dtype = wire_dtype_of(np.empty(0, dtype))
+        nbytes = _prod(shape) * dtype.itemsize
         encoded = _binary_string(name)
-        parts += (_BINARY_TENSOR.pack(_DTYPE_CODES[dtype], len(shape), len(encoded), nbytes),
+        parts += (_BINARY_TENSOR.pack(_DTYPE_CODES[wire_dtype], len(shape), len(encoded), nbytes),
                   _BINARY_DIMS[len(shape)].pack(*shape), encoded)
-    return b"".join(parts)
+        extent = _align(nbytes)
+        paddings.append(_PADDING[: extent - nbytes])
+        total += extent
+        largest = max(largest, nbytes)
+    return _BinaryLayout(b"".join(parts), tuple(paddings), total, largest)
+
+
+def _send_binary(sock: socket.socket, msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int,
+                 instance: str, tensors: Mapping[str, np.ndarray], layout: _BinaryLayout) -> None:
+    """One binary-header frame of tensors whose layout is known: the header from the layout's
+    section, the arrays' own memory as the payload (one ``sendmsg``)."""
+    rid, inst = _binary_string(request_id), _binary_string(instance)
+    header = b"".join((_BINARY_FIXED.pack(BINARY_MESSAGE_TYPES.index(msg_type) + 1, len(layout.paddings), len(rid),
+                                          len(inst), stage_id, epoch, generation), rid, inst, layout.section))
+    if len(header) > MAX_HEADER_BYTES:
+        raise HeaderTooLarge(f"header of {len(header)} bytes, at most {MAX_HEADER_BYTES}")
+    buffers: list[Any] = [PREFIX.pack(MAGIC_BINARY, WIRE_VERSION, 0, len(header), layout.payload_nbytes, 0) + header]
+    for array, padding in zip(tensors.values(), layout.paddings):
+        buffers.append(array if array.flags.c_contiguous else np.ascontiguousarray(array))
+        if padding:
+            buffers.append(padding)
+    _sendmsg_all(sock, buffers, len(buffers[0]) + layout.payload_nbytes, [])
 
 
 def _sendmsg_all(sock: socket.socket, buffers: list[Any], total: int, fds: list[int]) -> None:

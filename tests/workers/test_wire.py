@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import struct
 from typing import Any
@@ -288,6 +289,46 @@ def test_binary_header_round_trip_and_fallbacks(pair):
     for expected in ("result", "stats", "run"):
         frame, _ = wire.recv_message(b, max_payload_bytes=CAP)
         assert frame.type == expected and not frame.binary
+
+
+def test_binary_frames_follow_each_call_s_own_tensors(pair):
+    """The binary encoder remembers tensor layouts by (name, dtype, shape): the same names with
+    another shape or dtype, a transposed (non-contiguous) view and plain lists each arrive as sent."""
+    a, b = pair
+    calls = [
+        {"x": np.arange(6, dtype=np.float32).reshape(2, 3)},
+        {"x": np.arange(6, dtype=np.float32).reshape(3, 2)},
+        {"x": np.arange(6, dtype=np.int64).reshape(3, 2)},
+        {"x": np.arange(6, dtype=np.float32).reshape(2, 3).T},
+        {"x": np.arange(6, dtype=np.float32).reshape(2, 3), "y": np.zeros(0, np.int8)},
+        {"x": [[1.5, 2.5]]},
+    ]
+    for tensors in calls:
+        wire.send_frame(a, "result", request_id="r", tensors=tensors, max_payload_bytes=CAP, binary=True)
+        frame, arrays = wire.recv_message(b, max_payload_bytes=CAP)
+        assert frame.binary and list(arrays) == list(tensors)
+        for name, sent in tensors.items():
+            sent = np.asarray(sent)
+            assert arrays[name].dtype == sent.dtype and np.array_equal(arrays[name], sent)
+
+
+def test_the_binary_encoder_refuses_what_the_receiver_would(pair):
+    a, b = pair
+    with pytest.raises(wire.PayloadTooLarge):  # 100 bytes take 128 on the wire, above a cap of 120
+        wire.send_frame(a, "run", tensors={"x": np.zeros(100, np.uint8)}, max_payload_bytes=120, binary=True)
+    with pytest.raises(wire.UnknownDtype):
+        wire.send_frame(a, "run", tensors={"x": np.zeros(2, np.uint16)}, max_payload_bytes=CAP, binary=True)
+    with pytest.raises(wire.BadShape):
+        wire.send_frame(a, "run", tensors={"x": np.zeros([1] * 9, np.float32)}, max_payload_bytes=CAP, binary=True)
+    with pytest.raises(wire.TooManyTensors):
+        wire.send_frame(a, "run", tensors={f"x{i}": np.zeros(1, np.int8) for i in range(wire.MAX_TENSORS + 1)},
+                        max_payload_bytes=CAP, binary=True)
+    with pytest.raises(wire.MalformedHeader):
+        wire.send_frame(a, "run", request_id="r" * 257, tensors={"x": np.zeros(1, np.int8)}, max_payload_bytes=CAP,
+                        binary=True)
+    with pytest.raises(wire.MalformedHeader):
+        wire.send_frame(a, "run", epoch=True, tensors={"x": np.zeros(1, np.int8)}, max_payload_bytes=CAP, binary=True)
+    assert not select.select([b], [], [], 0)[0]  # nothing at all was sent
 
 
 def test_a_remembered_binary_section_is_still_checked_against_its_frame(pair):
