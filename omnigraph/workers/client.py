@@ -284,25 +284,22 @@ class WorkerClient:
 
     def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",
                           **fields: Any) -> tuple[wire.Frame, dict[str, Any], dict[str, np.ndarray]]:
-        try:
-            self._send(msg_type, request_id=request_id, **fields)
-        except (BrokenPipeError, ConnectionResetError):
-            raise self._died(msg_type) from None
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self._set_timeout(deadline)
+            self._set_timeout(deadline)  # the send too is bounded by this call's deadline, and only by it
+            self._send(msg_type, request_id=request_id, **fields)
             self._wait_for_reply()
             frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
             if deadline is not None:
                 self._set_timeout(deadline)
             arrays = wire.read_payload(self._sock, frame)
-        except socket.timeout:
+        except socket.timeout:  # no reply in time, or a send cut off mid-frame: either way the stream is lost
             self.kill()
             self.wait_exit(DEATH_REAP_SECONDS)
             raise WorkerTimeout(
-                f"worker {self.pid}: no reply to {msg_type!r} within {timeout} s; the worker was retired (killed)"
+                f"worker {self.pid}: {msg_type!r} not answered within {timeout} s; the worker was retired (killed)"
             ) from None
-        except (wire.PeerClosed, wire.TruncatedFrame, ConnectionResetError):
+        except (wire.PeerClosed, wire.TruncatedFrame, BrokenPipeError, ConnectionResetError):
             raise self._died(msg_type) from None
         if frame.generation != self.generation:
             raise wire.StaleGeneration(f"reply from generation {frame.generation}, expected {self.generation}")

@@ -233,6 +233,40 @@ def test_a_timed_out_call_retires_the_worker(start_worker, slow_bundle):
     assert client.wait_exit(1.0) and client.returncode == -signal.SIGKILL
 
 
+def test_a_call_s_send_is_bounded_by_its_own_deadline_only(start_worker, affine_bundle, monkeypatch):
+    """The frame goes out under the call's own deadline: a call without one is never cut short by
+    the socket timeout that an earlier call with a deadline left behind."""
+    client = start_worker()
+    client.load(affine_bundle.manifest_path)
+    timeouts_at_send = []
+    send_frame = wire.send_frame
+
+    def recording(sock, *args, **kwargs):
+        timeouts_at_send.append(sock.gettimeout())
+        return send_frame(sock, *args, **kwargs)
+
+    monkeypatch.setattr(wire, "send_frame", recording)
+    client.run(affine_inputs(1, 4), request_id="with", stage_id=0, epoch=0, timeout=0.5)
+    client.run(affine_inputs(1, 4), request_id="without", stage_id=0, epoch=0)
+    assert 0 < timeouts_at_send[0] <= 0.5 and timeouts_at_send[1] is None
+
+
+def test_a_send_that_cannot_finish_in_time_retires_the_worker(start_worker, slow_bundle):
+    """A worker busy elsewhere does not read: a large frame cannot go out before the deadline, the
+    half-sent stream is lost, so the worker is retired (WorkerTimeout), as for a late reply."""
+    client = start_worker()
+    client.load(slow_bundle.manifest_path)
+    with client._send_lock:  # keep the worker computing, reading nothing, for a second or more
+        wire.send_frame(client._sock, "run", request_id="busy", epoch=0, generation=client.generation,
+                        instance=client.instance, tensors={"x": np.ones((4096, 1024), np.float32)},
+                        max_payload_bytes=client.route.max_io_bytes)
+    started = time.monotonic()
+    with pytest.raises(WorkerTimeout, match="retired"):
+        client.run({"x": np.ones((4096, 1024), np.float32)}, request_id="late", stage_id=0, epoch=0, timeout=0.3)
+    assert time.monotonic() - started < 5
+    assert client.wait_exit(1.0) and client.returncode == -signal.SIGKILL
+
+
 def test_one_call_in_flight(start_worker, slow_bundle):
     client = start_worker()
     client.load(slow_bundle.manifest_path)
