@@ -91,11 +91,12 @@ def test_bfloat16_travels_as_raw_bits(pair):
     ml_dtypes = pytest.importorskip("ml_dtypes")
     a, b = pair
     values = np.array([1.0, -2.5, 3.0], dtype=ml_dtypes.bfloat16)
-    wire.send_frame(a, "run", tensors={"h": values}, max_payload_bytes=CAP)
-    frame, arrays = wire.recv_message(b, max_payload_bytes=CAP)
-    assert frame.tensors[0].dtype == "bfloat16"
-    assert arrays["h"].dtype == np.uint16
-    np.testing.assert_array_equal(arrays["h"].view(ml_dtypes.bfloat16), values)
+    for binary in (False, True):
+        wire.send_frame(a, "run", tensors={"h": values}, max_payload_bytes=CAP, binary=binary)
+        frame, arrays = wire.recv_message(b, max_payload_bytes=CAP)
+        assert frame.binary == binary and frame.tensors[0].dtype == "bfloat16"
+        assert arrays["h"].dtype == np.uint16
+        np.testing.assert_array_equal(arrays["h"].view(ml_dtypes.bfloat16), values)
 
 
 def test_encoder_refuses_what_the_wire_does_not_carry(pair):
