@@ -10,8 +10,10 @@ Target: the worker adds at most 100 us (median) at 4 KB on the 2-core CPU machin
 
 `--phases` takes the 4 KB round trip apart, with no WorkerClient or worker loop in the way: a
 forked child answers through the wire functions alone, both ends polling, (a) echoing the frame,
-(b) running the worker's GraphSession on it, and (c) running the same GraphSession on a fixed array
-between two shared-memory counters that both ends spin on (no system call on the path). Each child
+(b) running the worker's GraphSession on it, (c) the same with the tensor's 4 KB alone on the socket
+(no prefix, header or checks: one recv_into a fixed buffer per side), and (d) running the same
+GraphSession on a fixed array between two shared-memory counters that both ends spin on (no system
+call on the path). Each child
 also times GraphSession.run in a tight loop of its own first ("quiet"), so the rows show what
 alternating with the other process does to the same call.
 """
@@ -128,19 +130,24 @@ def _spin_until_changed(counters: np.ndarray, index: int, seen: int) -> int:
     return int(counters[index])
 
 
-# --phases: (name, through the socket, runs the GraphSession); otherwise shared-memory counters.
-PHASES = [("socket echo", True, False), ("socket + GraphSession.run", True, True),
-          ("shared-memory counters + GraphSession.run", False, True)]
+# --phases: (name, transport, runs the GraphSession). Transports: "codec" (wire frames through the
+# socket), "raw" (the tensor's 4 KB alone through the socket: no prefix, header or checks, one
+# recv_into a fixed buffer per side), "counters" (shared-memory counters, no system call).
+PHASES = [("socket echo", "codec", False), ("socket + GraphSession.run", "codec", True),
+          ("raw socket, no codec + GraphSession.run", "raw", True),
+          ("shared-memory counters + GraphSession.run", "counters", True)]
 
 
 def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
-    """(phase, metric, median us) rows of the three ping-pongs of `--phases` (see the docstring)."""
+    """(phase, metric, median us) rows of the ping-pongs of `--phases` (see the docstring)."""
     route = WorkerRoute(name="bench-phases", interpreter=sys.executable, intra_op_num_threads=1)
     tensors = {"x": np.zeros(1024, np.float32)}
     limit = 1 << 20
     rows = []
-    for phase, through_socket, runs_graph in PHASES:
+    nbytes = tensors["x"].nbytes
+    for phase, transport, runs_graph in PHASES:
         ours, theirs = socket.socketpair()
+        received = np.empty(1024, np.float32)  # the raw transport's fixed receive buffer
         counters = np.frombuffer(mmap.mmap(-1, mmap.PAGESIZE), np.int64, 2)  # posted to the child, to the parent
         pid = os.fork()
         if pid == 0:  # the answering process; its two medians go back through the socket at the end
@@ -150,13 +157,18 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
             inside, wait, seen = [], wire.SpinWait(theirs, SPIN_WAIT_US), 0
             theirs.send(b"r")
             while True:
-                if through_socket:
+                if transport == "codec":
                     wait()
                     try:
                         frame = wire.read_frame(theirs, max_payload_bytes=limit)
                     except wire.PeerClosed:
                         break
                     arrays = wire.read_payload(theirs, frame)
+                elif transport == "raw":
+                    wait()
+                    if not theirs.recv_into(received, nbytes, socket.MSG_WAITALL):
+                        break
+                    arrays = {"x": received}
                 else:
                     seen = _spin_until_changed(counters, 0, seen)
                     if seen < 0:
@@ -166,9 +178,11 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                     start = time.perf_counter_ns()
                     arrays = graph.run(arrays, {"x": "float32"})
                     inside.append((time.perf_counter_ns() - start) / 1000.0)
-                if through_socket:
+                if transport == "codec":
                     wire.send_frame(theirs, "result", epoch=1, generation=1, tensors=arrays, max_payload_bytes=limit,
                                     binary=True)
+                elif transport == "raw":
+                    theirs.sendall(arrays["y"] if "y" in arrays else arrays["x"])
                 else:
                     counters[1] += 1
             theirs.send(np.array([np.median(quiet), np.median(inside) if inside else 0.0]).tobytes())
@@ -179,20 +193,25 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
 
         def round_trip() -> None:
             nonlocal seen
-            if through_socket:
+            if transport == "codec":
                 wire.send_frame(ours, "run", epoch=1, generation=1, tensors=tensors, max_payload_bytes=limit,
                                 binary=True)
                 wait()
                 wire.recv_message(ours, max_payload_bytes=limit)
+            elif transport == "raw":
+                ours.sendall(tensors["x"])
+                wait()
+                ours.recv_into(received, nbytes, socket.MSG_WAITALL)
+                received.copy()  # the caller's own array, as recv_message returns one
             else:
                 counters[0] += 1
                 seen = _spin_until_changed(counters, 1, seen)
 
         rows.append((phase, "round_trip_median", float(np.median(timings_us(round_trip, iterations)))))
-        if through_socket:
-            ours.shutdown(socket.SHUT_WR)
-        else:
+        if transport == "counters":
             counters[0] = -1
+        else:
+            ours.shutdown(socket.SHUT_WR)
         quiet, inside = np.frombuffer(ours.recv(16), np.float64)
         ours.close()
         os.waitpid(pid, 0)
