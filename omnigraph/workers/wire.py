@@ -355,12 +355,16 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 def wire_dtype_of(array: np.ndarray) -> str:
     """The wire name of an array's dtype; UnknownDtype for anything off the whitelist."""
-    name = _NUMPY_TO_WIRE.get(array.dtype)
+    return _wire_dtype_name(array.dtype)
+
+
+def _wire_dtype_name(dtype: np.dtype) -> str:
+    name = _NUMPY_TO_WIRE.get(dtype)
     if name is not None:
         return name
-    if array.dtype.name == "bfloat16" and array.dtype.itemsize == 2:
+    if dtype.name == "bfloat16" and dtype.itemsize == 2:
         return "bfloat16"
-    raise UnknownDtype(f"dtype {array.dtype.str} ({array.dtype.name}) is not on the wire")
+    raise UnknownDtype(f"dtype {dtype.str} ({dtype.name}) is not on the wire")
 
 
 def _as_bytes(array: np.ndarray) -> np.ndarray:
@@ -544,7 +548,7 @@ def _new_binary_layout(key: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -
     for name, dtype, shape in key:
         if len(shape) > MAX_RANK:
             raise BadShape(f"tensor {name!r} has rank {len(shape)}, at most {MAX_RANK}")
-        wire_dtype = wire_dtype_of(np.empty(0, dtype))
+        wire_dtype = _wire_dtype_name(dtype)
         nbytes = _prod(shape) * dtype.itemsize
         encoded = _binary_string(name)
         parts += (_BINARY_TENSOR.pack(_DTYPE_CODES[wire_dtype], len(shape), len(encoded), nbytes),
