@@ -10,8 +10,9 @@ until the OS confirms the process is gone, then it is released and the stage may
 replacement (runtime.py); every request of that call fails with a retryable StageUnavailable (any
 of them may have killed the worker, so none is re-queued onto the replacement).
 
-Errors stay per request: a merged call the worker refuses for a request-level fault (bad input,
-an ORT error) is run again item by item, so only the faulty request fails. Cancelling one request
+Errors stay per request: a merged call refused for a request-level fault (bad input, an ORT
+error, tensors the wire cannot carry: more bytes than the route's max_io_bytes, in or out) is run
+again item by item, so only the faulty request fails and the worker keeps serving. Cancelling one request
 of a batch whose other requests still wait leaves the call running and drops that request's rows
 at unpack: killing the worker would fail (or, re-queued, delay by a worker restart of seconds)
 every batch-mate, while finishing costs at most one call's worth of wasted rows.
@@ -28,7 +29,7 @@ import numpy as np
 from omnigraph.stages.batching import STOP, Queued, combined
 from omnigraph.stages.errors import DeadlineExceeded, StageError, StageUnavailable
 from omnigraph.stages.ledger import Reservation, ResourceLedger
-from omnigraph.workers.errors import RemoteError, WorkerTimeout
+from omnigraph.workers.errors import CallRefused, RemoteError, WorkerTimeout
 
 if TYPE_CHECKING:
     from omnigraph.stages.runtime import GraphStage
@@ -38,9 +39,11 @@ if TYPE_CHECKING:
 EXIT_VERIFY_TIMEOUT_S = 10.0
 # Why: a replacement worker starts and warms up within seconds; clients retry after about this long.
 REPLACEMENT_RETRY_AFTER_S = 1.0
-# A worker refusing one request (bad input, an ORT error) stays usable; these codes say so.
+# A worker refusing one request (bad input, an ORT error, outputs the wire cannot carry) stays
+# usable; these codes say so.
 _REQUEST_LEVEL_CODES = frozenset({
     "input_name_mismatch", "input_dtype_mismatch", "input_rank_mismatch", "input_shape_mismatch", "run_failed",
+    "outputs_not_sent",
 })
 
 
@@ -58,9 +61,10 @@ class WorkItem(Protocol):
 
 
 def _request_level(error: BaseException) -> bool:
-    """A fault of the request alone: the worker refused it and stays in step, so it keeps serving.
-    Anything else (wire faults included: the stream may be out of step) retires the worker."""
-    return isinstance(error, RemoteError) and error.code in _REQUEST_LEVEL_CODES
+    """A fault of the request alone: the client refused the call before sending it, or the worker
+    refused it and stays in step, so it keeps serving. Anything else (wire faults included: the
+    stream may be out of step) retires the worker. A merged call refused so runs item by item."""
+    return isinstance(error, CallRefused) or (isinstance(error, RemoteError) and error.code in _REQUEST_LEVEL_CODES)
 
 
 class GraphStageClient:

@@ -33,6 +33,7 @@ import numpy as np
 import omnigraph
 from omnigraph.workers import procfs, wire
 from omnigraph.workers.errors import (
+    CallRefused,
     LoadRefused,
     PlacementRefused,
     RemoteError,
@@ -274,12 +275,15 @@ class WorkerClient:
         with self._send_lock:
             if epoch is None:
                 epoch = max(self._min_epoch, self._sent_epoch)
-            wire.send_frame(
-                self._sock, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
-                generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
-                max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
-                binary=binary,
-            )
+            try:
+                wire.send_frame(
+                    self._sock, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
+                    generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
+                    max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
+                    binary=binary,
+                )
+            except wire.WireError as exc:  # the encoder refuses before sending: the stream is untouched
+                raise CallRefused(exc.code, str(exc)) from None
             self._sent_epoch = max(self._sent_epoch, epoch)
 
     def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",

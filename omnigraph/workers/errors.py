@@ -11,6 +11,8 @@ Codes a worker reports in error frames besides the wire codes (``RemoteError.cod
     input_rank_mismatch     a run input of another rank than the graph declares
     input_shape_mismatch    a run input whose static dims differ from the graph's
     run_failed              ONNX Runtime raised during the run
+    outputs_not_sent        the run's outputs break the wire's limits (more bytes than the route's
+                            max_io_bytes, say); the message names the wire code; nothing was sent
     unexpected_message      a message type the worker does not accept in its state
 """
 
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "WireError", "WorkerError", "WorkerDied", "WorkerBusy", "WorkerTimeout", "WorkerStartFailed",
-    "RemoteError", "LoadRefused", "PlacementRefused",
+    "CallRefused", "RemoteError", "LoadRefused", "PlacementRefused",
 ]
 
 
@@ -52,6 +54,17 @@ class WorkerBusy(WorkerError):
 class WorkerTimeout(WorkerError):
     """The call's reply did not come in time; the worker was retired (killed), as its call cannot
     be pre-empted."""
+
+
+class CallRefused(WorkerError):
+    """The client refused a call before sending a byte: its tensors break the wire's limits (too
+    large for the route's max_io_bytes, an unknown dtype...). ``code`` is the wire error's; the
+    worker never saw the call and stays in step."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
 
 
 class RemoteError(WorkerError):

@@ -22,7 +22,7 @@ from omnigraph.workers.ops.loader import OpsLibraryError, custom_ops_library
 from omnigraph.workers.placement import PlacementReport, check_placement, placement_from_profile
 from omnigraph.workers.reports import LoadReport, TensorSpec
 from omnigraph.workers.route import WorkerRoute
-from omnigraph.workers.wire import WIRE_DTYPES, wire_dtype_of
+from omnigraph.workers.wire import wire_dtype_of
 
 # ORT type string -> wire dtype name (the types a graph's I/O may have to be served).
 ONNX_TO_WIRE = {

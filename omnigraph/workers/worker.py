@@ -155,9 +155,9 @@ class GraphWorker:
             raise
         try:
             self._reply(frame, "result", tensors=outputs)
-        except wire.WireError as exc:  # refused before anything was sent (e.g. too large)
+        except wire.WireError as exc:  # refused before anything was sent (e.g. too large): the stream is intact
             self._counters["failed_runs"] += 1
-            self._send_error(frame, exc.code, f"outputs not sent: {exc}")
+            self._send_error(frame, "outputs_not_sent", f"{exc.code}: {exc}")
 
     def _load(self, frame: wire.Frame) -> None:
         manifest_path = frame.body.get("manifest_path")

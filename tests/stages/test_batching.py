@@ -189,11 +189,11 @@ def lookup_bundle(tmp_path_factory):
     return folder
 
 
-def lookup_plan(bundle, batching):
+def lookup_plan(bundle, batching, **backend):
     return validate_deploy_config({"pipeline": "test-batching-lookup", "stages": [{
         "stage_id": 0, "model_stage": "lookup", "final_output": True, "final_output_type": "tensors",
         "batching": batching,
-        "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle),
+        "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle), **backend,
                     "route": {"name": "cpu", "interpreter": sys.executable, "intra_op_num_threads": 1}}}]})
 
 
@@ -212,6 +212,25 @@ def test_a_request_level_fault_in_a_merged_call_fails_only_its_request(lookup_bu
     # the merged call, then one call per request (three answered); the worker stays: a request-level fault
     assert stage["batching"]["stats"]["histograms"]["batch_requests"]["buckets"][:3] == [[1, 4], [2, 4], [4, 5]]
     assert replica["generation"] == 1 and replica["state"] == "serving" and replica["calls"] == 3
+
+
+@pytest.mark.parametrize("rows, refused_by", [(40, "the client: the merged inputs exceed the route's max_io_bytes"),
+                                              (20, "the worker: the merged outputs exceed it")])
+def test_a_merged_call_too_large_for_the_wire_runs_item_by_item(lookup_bundle, rows, refused_by):
+    """Each request fits the route's 1 KiB cap alone; four merged do not. The merged call is refused
+    before anything runs or is sent back, so it is run again item by item: every request gets
+    its rows and the worker keeps serving (no retirement, no replacement)."""
+    prompts = [{"tensors": {"index": np.full(rows, i, np.int64)}} for i in range(4)]
+    plan = lookup_plan(lookup_bundle, {"max_batch_rows": 256, "batch_wait_us": 100_000}, max_io_bytes=1024)
+    with Omni(deploy_config=plan) as omni:
+        outputs = omni.generate(prompts)
+        stage = omni.execution_plan["stages"][0]
+    assert [o.error for o in outputs] == [None] * 4, refused_by
+    for i, output in enumerate(outputs):
+        assert output.custom_output["y"].tolist() == [[4 * i + j for j in range(4)]] * rows
+    (replica,) = stage["replicas"]
+    assert replica["generation"] == 1 and replica["state"] == "serving" and replica["restarts"] == 0
+    assert stage["batching"]["stats"]["histograms"]["batch_requests"]["buckets"][:3] == [[1, 4], [2, 4], [4, 5]]
 
 
 def test_a_worker_dying_mid_batch_fails_each_request_retryably_and_is_replaced(make_plan, engine):

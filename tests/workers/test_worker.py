@@ -16,7 +16,9 @@ import pytest
 
 from omnigraph.workers import wire
 from omnigraph.workers.client import WorkerClient
-from omnigraph.workers.errors import LoadRefused, PlacementRefused, RemoteError, WorkerBusy, WorkerDied, WorkerTimeout
+from omnigraph.workers.errors import (
+    CallRefused, LoadRefused, PlacementRefused, RemoteError, WorkerBusy, WorkerDied, WorkerTimeout,
+)
 from omnigraph.workers.route import WorkerRoute
 
 from omnigraph.bundles import pack_bundle
@@ -265,6 +267,16 @@ def test_a_send_that_cannot_finish_in_time_retires_the_worker(start_worker, slow
         client.run({"x": np.ones((4096, 1024), np.float32)}, request_id="late", stage_id=0, epoch=0, timeout=0.3)
     assert time.monotonic() - started < 5
     assert client.wait_exit(1.0) and client.returncode == -signal.SIGKILL
+
+
+def test_a_call_the_wire_cannot_carry_is_refused_before_sending_and_the_worker_serves_on(start_worker, affine_bundle):
+    client = start_worker(WorkerRoute(name="small", interpreter=sys.executable, max_io_bytes=1024, intra_op_num_threads=1))
+    client.load(affine_bundle.manifest_path)
+    with pytest.raises(CallRefused) as refused:  # 64 rows: 1 KiB of x and 1.5 KiB of ids
+        client.run(affine_inputs(64, 4), request_id="big", stage_id=0, epoch=0)
+    assert refused.value.code == "payload_too_large"
+    assert client.run(affine_inputs(1, 4), request_id="small", stage_id=0, epoch=0)["y"].shape == (1, 4)
+    assert client.stats()["runs"] == 1  # the refused call never reached the worker
 
 
 def test_one_call_in_flight(start_worker, slow_bundle):

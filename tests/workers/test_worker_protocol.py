@@ -118,5 +118,5 @@ def test_outputs_over_the_cap_are_refused_not_sent(raw_worker, tmp_path):
     wire.send_frame(sock, "run", generation=7, instance=instance, tensors={"x": np.ones(CAP // 8 + 1, np.float32)},
                     max_payload_bytes=CAP)
     refused = reply(sock)
-    assert refused.body["code"] == "payload_too_large" and "outputs not sent" in refused.body["message"]
+    assert refused.body["code"] == "outputs_not_sent" and refused.body["message"].startswith("payload_too_large: ")
     assert process.poll() is None
