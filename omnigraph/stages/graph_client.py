@@ -12,10 +12,10 @@ of them may have killed the worker, so none is re-queued onto the replacement).
 
 Errors stay per request: a merged call refused for a request-level fault (bad input, an ORT
 error, tensors the wire cannot carry: more bytes than the route's max_io_bytes, in or out) is run
-again item by item, so only the faulty request fails and the worker keeps serving. Cancelling one request
-of a batch whose other requests still wait leaves the call running and drops that request's rows
-at unpack: killing the worker would fail (or, re-queued, delay by a worker restart of seconds)
-every batch-mate, while finishing costs at most one call's worth of wasted rows.
+again item by item, so only the faulty request fails and the worker keeps serving. Cancelling one
+request of a batch whose other requests still wait leaves the call running and drops that
+request's rows at unpack: killing the worker would fail (or, re-queued, delay by a worker restart
+of seconds) every batch-mate, while finishing costs at most one call's worth of wasted rows.
 """
 
 from __future__ import annotations

@@ -56,24 +56,23 @@ class WorkerTimeout(WorkerError):
     be pre-empted."""
 
 
-class CallRefused(WorkerError):
+class _CodedError(WorkerError):
+    """A refusal with a stable ``code`` and its ``message``."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class CallRefused(_CodedError):
     """The client refused a call before sending a byte: its tensors break the wire's limits (too
     large for the route's max_io_bytes, an unknown dtype...). ``code`` is the wire error's; the
     worker never saw the call and stays in step."""
 
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
-
-class RemoteError(WorkerError):
+class RemoteError(_CodedError):
     """The worker refused or failed a request; ``code`` is stable (see this module's docstring)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
 
 
 class LoadRefused(RemoteError):
