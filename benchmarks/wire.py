@@ -13,7 +13,9 @@ forked child answers through the wire functions alone, both ends polling, (a) ec
 (b) running the worker's GraphSession on it, (c) the same with the tensor's 4 KB alone on the socket
 (no prefix, header or checks: one recv_into a fixed buffer per side), and (d) running the same
 GraphSession on a fixed array between two shared-memory counters that both ends spin on (no system
-call on the path). Each child
+call on the path), and (e) between (b) and (c): the same binary tensor section, behind a bare
+prefix of two lengths, with nothing checked beyond a cache lookup of the section (the least any
+self-describing framing in Python does per message). Each child
 also times GraphSession.run in a tight loop of its own first ("quiet"), so the rows show what
 alternating with the other process does to the same call.
 """
@@ -29,6 +31,7 @@ import os
 import select
 import shlex
 import socket
+import struct
 import sys
 import tempfile
 import time
@@ -131,11 +134,48 @@ def _spin_until_changed(counters: np.ndarray, index: int, seen: int) -> int:
 
 
 # --phases: (name, transport, runs the GraphSession). Transports: "codec" (wire frames through the
-# socket), "raw" (the tensor's 4 KB alone through the socket: no prefix, header or checks, one
-# recv_into a fixed buffer per side), "counters" (shared-memory counters, no system call).
+# socket), "minimal" (see _MinimalFraming), "raw" (the tensor's 4 KB alone through the socket: no
+# prefix, header or checks, one recv_into a fixed buffer per side), "counters" (shared-memory
+# counters, no system call).
 PHASES = [("socket echo", "codec", False), ("socket + GraphSession.run", "codec", True),
+          ("minimal framing + GraphSession.run", "minimal", True),
           ("raw socket, no codec + GraphSession.run", "raw", True),
           ("shared-memory counters + GraphSession.run", "counters", True)]
+
+
+class _MinimalFraming:
+    """The least a self-describing framing costs in Python: a 16-byte prefix (section and payload
+    lengths), the wire's binary tensor section, the payload; the receiver reads the prefix, then
+    the rest in one call, looks the section up in a cache (parsed and checked once) and views a
+    copy of the payload. No ids, epochs or per-message checks: a floor under the codec, not a wire."""
+
+    PREFIX = struct.Struct("<QQ")
+
+    def __init__(self, sock: socket.socket, max_payload_bytes: int) -> None:
+        self._sock = sock
+        self._limit = max_payload_bytes
+        self._buffer = np.empty(max_payload_bytes, np.uint8)
+        self._view = memoryview(self._buffer)
+        self._sections: dict[bytes, tuple[wire.TensorDescriptor, ...]] = {}
+
+    def send(self, tensors: dict[str, np.ndarray]) -> None:
+        layout = wire._binary_layout(tensors)
+        self._sock.sendmsg([self.PREFIX.pack(len(layout.section), layout.payload_nbytes) + layout.section,
+                            *tensors.values()])
+
+    def receive(self) -> dict[str, np.ndarray] | None:
+        """The next message's arrays; None once the peer has closed."""
+        if not self._sock.recv_into(self._buffer, self.PREFIX.size, socket.MSG_WAITALL):
+            return None
+        section_nbytes, payload_nbytes = self.PREFIX.unpack_from(self._buffer)
+        self._sock.recv_into(self._buffer, section_nbytes + payload_nbytes, socket.MSG_WAITALL)
+        section = bytes(self._view[:section_nbytes])
+        descriptors = self._sections.get(section)
+        if descriptors is None:
+            descriptors = self._sections[section] = wire._checked_tensor_section(section, 1, self._limit)[0]
+        payload = self._buffer[section_nbytes:section_nbytes + payload_nbytes].copy()
+        return {d.name: np.ndarray(d.shape, wire.WIRE_DTYPES[d.dtype], buffer=payload, offset=d.offset)
+                for d in descriptors}
 
 
 def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
@@ -155,6 +195,7 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
             graph = load_session(str(manifest), route)[0] if runs_graph else None
             quiet = timings_us(lambda: graph.run(tensors, {"x": "float32"}), iterations) if graph else np.zeros(1)
             inside, wait, seen = [], wire.SpinWait(theirs, SPIN_WAIT_US), 0
+            framing = _MinimalFraming(theirs, limit)
             theirs.send(b"r")
             while True:
                 if transport == "codec":
@@ -164,6 +205,10 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                     except wire.PeerClosed:
                         break
                     arrays = wire.read_payload(theirs, frame)
+                elif transport == "minimal":
+                    wait()
+                    if (arrays := framing.receive()) is None:
+                        break
                 elif transport == "raw":
                     wait()
                     if not theirs.recv_into(received, nbytes, socket.MSG_WAITALL):
@@ -181,6 +226,8 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                 if transport == "codec":
                     wire.send_frame(theirs, "result", epoch=1, generation=1, tensors=arrays, max_payload_bytes=limit,
                                     binary=True)
+                elif transport == "minimal":
+                    framing.send(arrays)
                 elif transport == "raw":
                     theirs.sendall(arrays["y"] if "y" in arrays else arrays["x"])
                 else:
@@ -190,6 +237,7 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
         theirs.close()
         ours.recv(1)  # loaded and timed alone
         wait, seen = wire.SpinWait(ours, SPIN_WAIT_US), 0
+        framing = _MinimalFraming(ours, limit)
 
         def round_trip() -> None:
             nonlocal seen
@@ -198,6 +246,10 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                                 binary=True)
                 wait()
                 wire.recv_message(ours, max_payload_bytes=limit)
+            elif transport == "minimal":
+                framing.send(tensors)
+                wait()
+                framing.receive()
             elif transport == "raw":
                 ours.sendall(tensors["x"])
                 wait()
