@@ -42,6 +42,7 @@ from omnigraph.workers.errors import (
     WorkerStartFailed,
     WorkerTimeout,
 )
+from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable
 from omnigraph.workers.placement import PlacementReport
 from omnigraph.workers.reports import LoadReport, WorkerHello
 from omnigraph.workers.route import WorkerRoute
@@ -69,12 +70,14 @@ class WorkerClient:
         sock: socket.socket,
         private_dir: Path,
         hello: WorkerHello,
+        mailbox: Mailbox | None = None,
     ) -> None:
         self.route = route
         self.generation = generation
         self.hello = hello
-        # run frames use the binary header where the worker reads it (its hello says so)
+        # run frames use the binary header, and the mailbox, where the worker reads them (its hello says so)
         self._binary_header = wire.FEATURE_BINARY_HEADER in hello.features
+        self._mailbox = mailbox if FEATURE_MAILBOX in hello.features else None
         self._process = process
         self._sock = sock
         self._wait_for_reply = wire.SpinWait(sock, route.spin_wait_us)
@@ -105,6 +108,7 @@ class WorkerClient:
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         process: subprocess.Popen | None = None
         sock: socket.socket | None = None
+        mailbox = _new_mailbox(route)
         try:
             listener.bind(str(socket_path))
             listener.listen(1)
@@ -114,17 +118,25 @@ class WorkerClient:
                 route.interpreter, "-m", WORKER_MODULE, "--connect", str(socket_path),
                 "--generation", str(generation), "--route", route.to_json(),
             ]
+            if mailbox is not None:
+                command += ["--mailbox-fd", str(mailbox.fd)]
             with open(private_dir / "worker.log", "wb") as log:
                 process = subprocess.Popen(
                     command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env=env, start_new_session=True, close_fds=True,
+                    pass_fds=() if mailbox is None else (mailbox.fd,),
                 )
+            if mailbox is not None:
+                mailbox.close_fd()
             sock = _accept_worker(listener, process, deadline, private_dir)
             listener.close()
             socket_path.unlink()
             hello = _read_hello(sock, process, generation, route, deadline, private_dir)
-            return cls(route=route, generation=generation, process=process, sock=sock, private_dir=private_dir, hello=hello)
+            return cls(route=route, generation=generation, process=process, sock=sock, private_dir=private_dir,
+                       hello=hello, mailbox=mailbox)
         except BaseException:
+            if mailbox is not None:
+                mailbox.close_fd()
             listener.close()
             if sock is not None:
                 sock.close()
@@ -275,15 +287,29 @@ class WorkerClient:
         with self._send_lock:
             if epoch is None:
                 epoch = max(self._min_epoch, self._sent_epoch)
+            mailbox = self._mailbox
             try:
-                wire.send_frame(
-                    self._sock, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
-                    generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
-                    max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
-                    binary=binary,
+                length = None
+                if mailbox is not None and binary and not body and msg_type in wire.BINARY_MESSAGE_TYPES:
+                    length = wire.write_binary_frame(
+                        mailbox.outbox, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
+                        generation=self.generation, instance=self.hello.instance, tensors=tensors or {},
+                        max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
+                    )
+                frame = None if length is not None else wire.encode_frame(
+                    msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch, generation=self.generation,
+                    instance=self.hello.instance, body=body, tensors=tensors, max_payload_bytes=self.route.max_io_bytes,
+                    shm_threshold_bytes=self.route.shm_threshold_bytes, binary=binary,
                 )
             except wire.WireError as exc:  # the encoder refuses before sending: the stream is untouched
                 raise CallRefused(exc.code, str(exc)) from None
+            if frame is None:
+                mailbox.announce(length)  # type: ignore[union-attr, arg-type]
+            else:
+                with frame:
+                    if mailbox is not None:
+                        mailbox.announce(0)  # before sending: the worker reads while a large frame goes out
+                    frame.send(self._sock)
             self._sent_epoch = max(self._sent_epoch, epoch)
 
     def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",
@@ -292,11 +318,7 @@ class WorkerClient:
         try:
             self._set_timeout(deadline)  # the send too is bounded by this call's deadline, and only by it
             self._send(msg_type, request_id=request_id, **fields)
-            self._wait_for_reply()
-            frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
-            if deadline is not None:
-                self._set_timeout(deadline)
-            arrays = wire.read_payload(self._sock, frame)
+            frame, arrays = self._receive(deadline)
         except socket.timeout:  # no reply in time, or a send cut off mid-frame: either way the stream is lost
             self.kill()
             self.wait_exit(DEATH_REAP_SECONDS)
@@ -317,6 +339,22 @@ class WorkerClient:
             )
         return frame, frame.body, arrays
 
+    def _receive(self, deadline: float | None) -> tuple[wire.Frame, dict[str, np.ndarray]]:
+        """The worker's next message: from the mailbox when its doorbell says so, else from the
+        socket. No reply by ``deadline``: socket.timeout."""
+        mailbox = self._mailbox
+        if mailbox is None:
+            self._wait_for_reply()
+        else:
+            if not mailbox.wait(self.route.spin_wait_us, deadline, self._sock):
+                raise socket.timeout("no reply before the deadline")
+            if length := mailbox.inbox_frame():
+                return wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=self.route.max_io_bytes)
+        frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
+        if deadline is not None:
+            self._set_timeout(deadline)
+        return frame, wire.read_payload(self._sock, frame)
+
     def _set_timeout(self, deadline: float | None) -> None:
         """The socket's timeout for the rest of a call (only a change costs a system call)."""
         timeout = None if deadline is None else max(deadline - time.monotonic(), 1e-3)
@@ -335,6 +373,17 @@ class WorkerClient:
             f"{_log_tail(self._private_dir)}",
             exit_status=status,
         )
+
+
+def _new_mailbox(route: WorkerRoute) -> Mailbox | None:
+    """The mailbox a worker of ``route`` will share, or None (the route asks for none, or this
+    host cannot share one: every frame then goes through the socket)."""
+    if not route.mailbox_bytes:
+        return None
+    try:
+        return Mailbox.create(route.mailbox_bytes)
+    except MailboxUnavailable:
+        return None
 
 
 def _remote_error(body: Mapping[str, Any]) -> Exception:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Mapping
 
+from omnigraph.workers.mailbox import MAX_AREA_BYTES, MIN_AREA_BYTES
 from omnigraph.workers.wire import SHM_THRESHOLD_BYTES, SPIN_WAIT_US
 
 EP_PROVIDERS = {
@@ -33,6 +34,9 @@ DEFAULT_MAX_CUDA_GRAPHS = 16
 MAX_CUDA_GRAPHS_LIMIT = 256
 # Why: polling longer than this is a busy loop, not a wait for the next message.
 MAX_SPIN_WAIT_US = 100_000
+# Why: a decision model's call (token ids, masks) and its answer fit with room to spare; larger
+# frames go through the socket, and the worker maps two areas of this size.
+DEFAULT_MAILBOX_BYTES = 1 << 20
 
 
 class RouteInvalid(ValueError):
@@ -59,8 +63,10 @@ class WorkerRoute:
     kernels outweigh their launches, run uncaptured at their exact shape (vLLM's
     max_cudagraph_capture_size). ``max_cuda_graphs``: how many input shapes get a captured graph;
     later shapes run uncaptured.
-    ``spin_wait_us``: how long the worker and its client poll their socket for the next message
-    before sleeping (wire.SpinWait; 0 always sleeps at once).
+    ``spin_wait_us``: how long the worker and its client poll for the next message before
+    sleeping (wire.SpinWait, or the mailbox's doorbell; 0 always sleeps at once).
+    ``mailbox_bytes``: each direction's shared-memory area (mailbox.py): a run or result frame
+    that fits travels there instead of through the socket; 0 keeps every frame on the socket.
     """
 
     name: str
@@ -80,6 +86,7 @@ class WorkerRoute:
     env: Mapping[str, str] = field(default_factory=dict)
     shm_threshold_bytes: int = SHM_THRESHOLD_BYTES
     spin_wait_us: int = SPIN_WAIT_US
+    mailbox_bytes: int = DEFAULT_MAILBOX_BYTES
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -131,6 +138,10 @@ class WorkerRoute:
             raise RouteInvalid(f"route {self.name!r}: shm_threshold_bytes must be an integer >= 1")
         if type(self.spin_wait_us) is not int or not 0 <= self.spin_wait_us <= MAX_SPIN_WAIT_US:
             raise RouteInvalid(f"route {self.name!r}: spin_wait_us must be an integer in [0, {MAX_SPIN_WAIT_US}]")
+        if type(self.mailbox_bytes) is not int or not (
+                self.mailbox_bytes == 0 or MIN_AREA_BYTES <= self.mailbox_bytes <= MAX_AREA_BYTES):
+            raise RouteInvalid(f"route {self.name!r}: mailbox_bytes must be 0 or an integer in "
+                               f"[{MIN_AREA_BYTES}, {MAX_AREA_BYTES}]")
         object.__setattr__(self, "allowed_providers", allowed)
         object.__setattr__(self, "min_fraction_on_target", float(self.min_fraction_on_target))
         object.__setattr__(self, "provider_options", MappingProxyType(dict(self.provider_options)))

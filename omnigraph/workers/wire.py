@@ -405,8 +405,42 @@ def _json_string(value: str) -> str:
     return _encode_ascii(value)
 
 
-def send_frame(
-    sock: socket.socket,
+class EncodedFrame:
+    """A frame ready to go: its buffers (prefix and header, then the payload's pieces, the arrays'
+    own memory) and the shared-memory descriptors that travel with it, which it owns until sent or
+    closed (use it as a context manager where something may come between encoding and sending)."""
+
+    __slots__ = ("buffers", "nbytes", "fds")
+
+    def __init__(self, buffers: list[Any], nbytes: int, fds: list[int]) -> None:
+        self.buffers = buffers
+        self.nbytes = nbytes
+        self.fds = fds
+
+    def send(self, sock: socket.socket) -> None:
+        """One ``sendmsg`` (more only when the socket takes part); the descriptors are closed after."""
+        try:
+            _sendmsg_all(sock, self.buffers, self.nbytes, self.fds)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        _close_fds(self.fds)
+        self.fds = []
+
+    def __enter__(self) -> EncodedFrame:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def send_frame(sock: socket.socket, msg_type: str, **fields: Any) -> None:
+    """Encode (encode_frame, same arguments) and send one frame."""
+    encode_frame(msg_type, **fields).send(sock)
+
+
+def encode_frame(
     msg_type: str,
     *,
     request_id: str = "",
@@ -419,11 +453,12 @@ def send_frame(
     max_payload_bytes: int,
     shm_threshold_bytes: int = SHM_THRESHOLD_BYTES,
     binary: bool = False,
-) -> None:
-    """Encode and send one frame with a single ``sendmsg`` (no copy of inline tensors).
+) -> EncodedFrame:
+    """Encode one frame (no copy of inline tensors; a tensor for shared memory is written to its
+    memory file here).
 
     ``binary`` asks for the binary header (only where the peer announced ``binary_header``); a
-    message it cannot carry goes with the JSON header. Refuses (before sending anything) what the
+    message it cannot carry goes with the JSON header. Refuses (before anything is sent) what the
     receiver would refuse: an unknown dtype, too many tensors, tensors whose bytes add up beyond
     ``max_payload_bytes``.
     """
@@ -442,8 +477,7 @@ def send_frame(
             if layout.payload_nbytes > max_payload_bytes:
                 raise PayloadTooLarge(f"tensors add up to {layout.payload_nbytes} bytes (64-byte aligned), "
                                       f"more than {max_payload_bytes}")
-            _send_binary(sock, msg_type, request_id, stage_id, epoch, generation, instance, tensors, layout)
-            return
+            return _encode_binary(msg_type, request_id, stage_id, epoch, generation, instance, tensors, layout)
     if len(tensors) > MAX_TENSORS:
         raise TooManyTensors(f"{len(tensors)} tensors, at most {MAX_TENSORS}")
     entries: list[tuple[str, str, tuple[int, ...], int, str]] = []  # name, dtype, shape, nbytes, location
@@ -477,11 +511,11 @@ def send_frame(
         header_bytes = _json_header(opening, request_id, stage_id, epoch, generation, instance, body, entries, bool(fds))
         if len(header_bytes) > MAX_HEADER_BYTES:
             raise HeaderTooLarge(f"header of {len(header_bytes)} bytes, at most {MAX_HEADER_BYTES}")
-        buffers[0] = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0) + header_bytes
-        _sendmsg_all(sock, buffers, len(buffers[0]) + offset, fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
+    except BaseException:
+        _close_fds(fds)
+        raise
+    buffers[0] = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0) + header_bytes
+    return EncodedFrame(buffers, len(buffers[0]) + offset, fds)
 
 
 def _json_header(opening: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
@@ -560,21 +594,77 @@ def _new_binary_layout(key: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -
     return _BinaryLayout(b"".join(parts), tuple(paddings), total, largest)
 
 
-def _send_binary(sock: socket.socket, msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int,
-                 instance: str, tensors: Mapping[str, np.ndarray], layout: _BinaryLayout) -> None:
-    """One binary-header frame of tensors whose layout is known: the header from the layout's
-    section, the arrays' own memory as the payload (one ``sendmsg``)."""
+def _binary_head(msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
+                 layout: _BinaryLayout) -> bytes:
+    """The prefix and binary header of a frame of tensors whose layout is known."""
     rid, inst = _binary_string(request_id), _binary_string(instance)
     header = b"".join((_BINARY_FIXED.pack(BINARY_MESSAGE_TYPES.index(msg_type) + 1, len(layout.paddings), len(rid),
                                           len(inst), stage_id, epoch, generation), rid, inst, layout.section))
     if len(header) > MAX_HEADER_BYTES:
         raise HeaderTooLarge(f"header of {len(header)} bytes, at most {MAX_HEADER_BYTES}")
-    buffers: list[Any] = [PREFIX.pack(MAGIC_BINARY, WIRE_VERSION, 0, len(header), layout.payload_nbytes, 0) + header]
+    return PREFIX.pack(MAGIC_BINARY, WIRE_VERSION, 0, len(header), layout.payload_nbytes, 0) + header
+
+
+def _encode_binary(msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
+                   tensors: Mapping[str, np.ndarray], layout: _BinaryLayout) -> EncodedFrame:
+    """A binary-header frame of tensors whose layout is known: the header from the layout's
+    section, the arrays' own memory as the payload."""
+    buffers: list[Any] = [_binary_head(msg_type, request_id, stage_id, epoch, generation, instance, layout)]
     for array, padding in zip(tensors.values(), layout.paddings):
         buffers.append(array if array.flags.c_contiguous else np.ascontiguousarray(array))
         if padding:
             buffers.append(padding)
-    _sendmsg_all(sock, buffers, len(buffers[0]) + layout.payload_nbytes, [])
+    return EncodedFrame(buffers, len(buffers[0]) + layout.payload_nbytes, [])
+
+
+def write_binary_frame(area: memoryview, msg_type: str, *, request_id: str, stage_id: int, epoch: int,
+                       generation: int, instance: str, tensors: Mapping[str, Any], max_payload_bytes: int,
+                       shm_threshold_bytes: int = SHM_THRESHOLD_BYTES) -> int | None:
+    """Write a binary-header ``run`` / ``result`` frame into ``area`` (bytes of the mailbox),
+    byte for byte as send_frame would send it; its length, or None when it does not fit
+    or a tensor is due for shared memory (send it through the socket). Refuses what send_frame
+    refuses, before writing anything."""
+    if msg_type not in BINARY_MESSAGE_TYPES:
+        raise MalformedHeader(f"the binary header carries run and result only, not {msg_type!r}")
+    for key, value in (("stage_id", stage_id), ("epoch", epoch), ("generation", generation)):
+        _checked_int(key, value)
+    layout = _binary_layout(tensors)
+    if layout is None:  # a value that is not an array yet
+        tensors = {name: np.asarray(value) for name, value in tensors.items()}
+        layout = _binary_layout(tensors)
+    if layout.payload_nbytes > max_payload_bytes:
+        raise PayloadTooLarge(f"tensors add up to {layout.payload_nbytes} bytes (64-byte aligned), "
+                              f"more than {max_payload_bytes}")
+    head = _binary_head(msg_type, request_id, stage_id, epoch, generation, instance, layout)
+    end = len(head) + layout.payload_nbytes
+    if end > len(area) or layout.largest >= shm_threshold_bytes:
+        return None
+    offset = len(head)
+    area[:offset] = head
+    for array, padding in zip(tensors.values(), layout.paddings):
+        nbytes = array.nbytes
+        area[offset:offset + nbytes] = _as_bytes(array)
+        offset += nbytes + len(padding)
+    return end
+
+
+def read_binary_frame(area: memoryview, length: int, *, max_payload_bytes: int) -> tuple[Frame, dict[str, np.ndarray]]:
+    """Read a frame that write_binary_frame put into ``area`` and ``length`` announces, with the
+    socket path's checks (only the binary header is accepted); the arrays own copies of their
+    bytes, so the area may be written again at once. A refused frame leaves nothing to skip."""
+    if not PREFIX_BYTES <= length <= len(area):
+        raise TruncatedFrame(f"a mailbox frame of {length} bytes in an area of {len(area)}")
+    magic, header_len, payload_len = _checked_prefix(bytes(area[:PREFIX_BYTES]), max_payload_bytes)
+    if magic != MAGIC_BINARY:
+        raise BadMagic(f"prefix {magic!r}: the mailbox carries binary-header frames only")
+    start = PREFIX_BYTES + header_len
+    if start + payload_len != length:
+        raise ByteLengthMismatch(f"a frame of {start + payload_len} bytes announced as {length}")
+    frame = _parse_binary_header(bytes(area[PREFIX_BYTES:start]), payload_len, max_payload_bytes, 0)
+    payload = bytearray(area[start:length])  # the reader's own copy: the peer may write the area again
+    arrays = {desc.name: np.ndarray(desc.shape, WIRE_DTYPES[desc.dtype], buffer=payload, offset=desc.offset)
+              for desc in frame.tensors}
+    return frame, arrays
 
 
 def _sendmsg_all(sock: socket.socket, buffers: list[Any], total: int, fds: list[int]) -> None:
@@ -924,6 +1014,20 @@ class SpinWait:
             os.sched_yield()
 
 
+def _checked_prefix(prefix: bytes, max_payload_bytes: int) -> tuple[bytes, int, int]:
+    """A prefix's magic, header length and payload length, once every field is within bounds."""
+    magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack(prefix)
+    if magic not in (MAGIC, MAGIC_BINARY) or flags != 0 or reserved != 0:
+        raise BadMagic(f"prefix {prefix[:4]!r} flags {flags} reserved {reserved}: not an omnigraph frame")
+    if version != WIRE_VERSION:
+        raise UnsupportedVersion(f"wire version {version}, this side speaks {WIRE_VERSION}")
+    if header_len == 0 or header_len > MAX_HEADER_BYTES:
+        raise HeaderTooLarge(f"header length {header_len}, allowed 1..{MAX_HEADER_BYTES}")
+    if payload_len > max_payload_bytes:
+        raise PayloadTooLarge(f"payload length {payload_len}, at most {max_payload_bytes}")
+    return magic, header_len, payload_len
+
+
 def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
     """Read and validate one prefix + header; the payload stays on the stream.
 
@@ -932,15 +1036,7 @@ def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
     """
     prefix, fds = _recv_prefix(sock)
     try:
-        magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack(prefix)
-        if magic not in (MAGIC, MAGIC_BINARY) or flags != 0 or reserved != 0:
-            raise BadMagic(f"prefix {prefix[:4]!r} flags {flags} reserved {reserved}: not an omnigraph frame")
-        if version != WIRE_VERSION:
-            raise UnsupportedVersion(f"wire version {version}, this side speaks {WIRE_VERSION}")
-        if header_len == 0 or header_len > MAX_HEADER_BYTES:
-            raise HeaderTooLarge(f"header length {header_len}, allowed 1..{MAX_HEADER_BYTES}")
-        if payload_len > max_payload_bytes:
-            raise PayloadTooLarge(f"payload length {payload_len}, at most {max_payload_bytes}")
+        magic, header_len, payload_len = _checked_prefix(prefix, max_payload_bytes)
         header_bytes = sock.recv(header_len)  # the length is capped above
         if len(header_bytes) != header_len:  # a long header may arrive in pieces
             buffer = bytearray(header_len)
@@ -950,7 +1046,7 @@ def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
         if magic == MAGIC_BINARY:
             frame = _parse_binary_header(header_bytes, payload_len, max_payload_bytes, len(fds))
         else:
-            frame = _parse_header(header_bytes, version, payload_len, max_payload_bytes, len(fds))
+            frame = _parse_header(header_bytes, WIRE_VERSION, payload_len, max_payload_bytes, len(fds))
         for desc in frame.tensors:
             if desc.fd is not None:
                 size = os.fstat(fds[desc.fd]).st_size

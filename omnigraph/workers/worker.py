@@ -32,6 +32,7 @@ import onnxruntime as ort
 
 from omnigraph.workers import procfs, wire
 from omnigraph.workers.errors import LoadRefused, RemoteError
+from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable
 from omnigraph.workers.reports import WorkerHello
 from omnigraph.workers.route import WorkerRoute
 from omnigraph.workers.session import GraphSession, load_session
@@ -57,8 +58,10 @@ def _device_memory(device_id: int) -> dict[str, int] | None:
 class GraphWorker:
     """Serves one controller connection."""
 
-    def __init__(self, sock: socket.socket, route: WorkerRoute, generation: int) -> None:
+    def __init__(self, sock: socket.socket, route: WorkerRoute, generation: int, mailbox: Mailbox | None = None) -> None:
         self._sock = sock
+        self._mailbox = mailbox
+        self._announcing = False  # after the hello, with a mailbox: every message rings the doorbell
         self._route = route
         self._generation = generation
         self._instance = secrets.token_hex(16)
@@ -81,43 +84,77 @@ class GraphWorker:
             start_time_unix=procfs.process_start_unix(ticks),
             instance=self._instance,
             wire_version=wire.WIRE_VERSION,
-            features=tuple(sorted(wire.FEATURES)),
+            features=tuple(sorted(wire.FEATURES | ({FEATURE_MAILBOX} if self._mailbox is not None else set()))),
         )
 
     def serve(self) -> int:
         """Answer messages until close or the controller goes; returns the exit status."""
         self._send("hello", body=self.hello().to_dict())
+        mailbox = self._mailbox
+        self._announcing = mailbox is not None
         wait_for_message = wire.SpinWait(self._sock, self._route.spin_wait_us)
         while True:
-            wait_for_message()
             try:
-                frame = wire.read_frame(self._sock, max_payload_bytes=self._route.max_io_bytes)
+                if mailbox is None:
+                    wait_for_message()
+                else:
+                    mailbox.wait(self._route.spin_wait_us, None, self._sock)
+                    length = mailbox.inbox_frame()
+                    if length:
+                        self._serve_mailbox_frame(mailbox, length)
+                        continue
+                status = self._serve_socket_frame()
             except wire.PeerClosed:
                 return EXIT_OK
-            except wire.WireError as exc:
-                self._counters["refused_frames"] += 1
-                self._send_error(None, exc.code, str(exc))
-                if exc.pending_payload_bytes is None:
-                    return EXIT_WIRE_DESYNC
-                wire.discard_payload(self._sock, exc.pending_payload_bytes)
-                continue
-            if frame.type == "fence":  # never answered: raise the floor (a lower fence is moot)
-                if frame.generation == self._generation and frame.instance == self._instance:
-                    self._max_epoch = max(self._max_epoch, frame.epoch)
-                wire.discard_payload(self._sock, frame)
-                continue
-            try:
-                self._check_fresh(frame)
-            except wire.WireError as exc:
-                self._counters["refused_frames"] += 1
-                wire.discard_payload(self._sock, frame)
-                self._send_error(frame, exc.code, str(exc))
-                continue
-            arrays = wire.read_payload(self._sock, frame)
-            if frame.type == "close":
-                self._reply(frame, "closing")
-                return EXIT_OK
-            self._dispatch(frame, arrays)
+            if status is not None:
+                return status
+
+    def _serve_socket_frame(self) -> int | None:
+        """Read and answer one frame from the socket; the exit status once the worker must stop."""
+        try:
+            frame = wire.read_frame(self._sock, max_payload_bytes=self._route.max_io_bytes)
+        except wire.WireError as exc:
+            self._counters["refused_frames"] += 1
+            self._send_error(None, exc.code, str(exc))
+            if exc.pending_payload_bytes is None:
+                return EXIT_WIRE_DESYNC
+            wire.discard_payload(self._sock, exc.pending_payload_bytes)
+            return None
+        if frame.type == "fence":  # never answered: raise the floor (a lower fence is moot)
+            if frame.generation == self._generation and frame.instance == self._instance:
+                self._max_epoch = max(self._max_epoch, frame.epoch)
+            wire.discard_payload(self._sock, frame)
+            return None
+        try:
+            self._check_fresh(frame)
+        except wire.WireError as exc:
+            self._counters["refused_frames"] += 1
+            wire.discard_payload(self._sock, frame)
+            self._send_error(frame, exc.code, str(exc))
+            return None
+        arrays = wire.read_payload(self._sock, frame)
+        if frame.type == "close":
+            self._reply(frame, "closing")
+            return EXIT_OK
+        self._dispatch(frame, arrays)
+        return None
+
+    def _serve_mailbox_frame(self, mailbox: Mailbox, length: int) -> None:
+        """Read and answer the frame in the mailbox (self-contained: a refused one leaves the
+        socket's stream as it was)."""
+        try:
+            frame, arrays = wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=self._route.max_io_bytes)
+        except wire.WireError as exc:
+            self._counters["refused_frames"] += 1
+            self._send_error(None, exc.code, str(exc))
+            return
+        try:
+            self._check_fresh(frame)
+        except wire.WireError as exc:
+            self._counters["refused_frames"] += 1
+            self._send_error(frame, exc.code, str(exc))
+            return
+        self._dispatch(frame, arrays)
 
     def _check_fresh(self, frame: wire.Frame) -> None:
         if frame.generation != self._generation:
@@ -188,12 +225,29 @@ class GraphWorker:
         else:
             self._reply(frame, "error", body=body)
 
-    def _send(self, msg_type: str, **fields: Any) -> None:
-        wire.send_frame(
-            self._sock, msg_type, generation=self._generation, instance=self._instance,
-            max_payload_bytes=self._route.max_io_bytes, shm_threshold_bytes=self._route.shm_threshold_bytes,
-            **fields,
-        )
+    def _send(self, msg_type: str, *, request_id: str = "", stage_id: int = 0, epoch: int = 0,
+              body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None,
+              binary: bool = False) -> None:
+        """Send through the mailbox what fits it (a binary result), the rest through the socket;
+        once announcing, ring the controller's doorbell either way."""
+        mailbox = self._mailbox if self._announcing else None
+        if mailbox is not None and binary and not body and msg_type in wire.BINARY_MESSAGE_TYPES:
+            length = wire.write_binary_frame(
+                mailbox.outbox, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
+                generation=self._generation, instance=self._instance, tensors=tensors or {},
+                max_payload_bytes=self._route.max_io_bytes, shm_threshold_bytes=self._route.shm_threshold_bytes,
+            )
+            if length is not None:
+                mailbox.announce(length)
+                return
+        with wire.encode_frame(
+            msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch, generation=self._generation,
+            instance=self._instance, body=body, tensors=tensors, max_payload_bytes=self._route.max_io_bytes,
+            shm_threshold_bytes=self._route.shm_threshold_bytes, binary=binary,
+        ) as frame:
+            if mailbox is not None:
+                mailbox.announce(0)  # before sending: the controller reads while a large frame goes out
+            frame.send(self._sock)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -201,12 +255,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--connect", required=True, help="the controller's Unix socket path")
     parser.add_argument("--generation", required=True, type=int, help="the worker generation the controller assigned")
     parser.add_argument("--route", required=True, help="the WorkerRoute as JSON")
+    parser.add_argument("--mailbox-fd", type=int, help="an inherited descriptor of the controller's mailbox (mailbox.py)")
     args = parser.parse_args(argv)
     route = WorkerRoute.from_json(args.route)
+    mailbox = None
+    if args.mailbox_fd is not None:
+        try:
+            mailbox = Mailbox.attach(args.mailbox_fd)
+        except (MailboxUnavailable, OSError, ValueError) as exc:  # the hello then lacks the feature: socket only
+            print(f"mailbox not used: {exc}", file=sys.stderr)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(args.connect)
     try:
-        return GraphWorker(sock, route, args.generation).serve()
+        return GraphWorker(sock, route, args.generation, mailbox).serve()
     except (BrokenPipeError, ConnectionResetError, wire.TruncatedFrame):
         return EXIT_OK  # the controller went away: no one is left to answer
     finally:

@@ -81,19 +81,22 @@ def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle,
     assert stats["manifest_sha256"] == affine_bundle.manifest_sha256
 
 
-def test_polling_and_sleeping_workers_answer_alike(start_worker, affine_bundle, cpu_route):
-    """spin_wait_us only changes how each end waits for the next message, never what it reads."""
+def test_polling_and_sleeping_workers_answer_alike_through_the_socket_or_the_mailbox(start_worker, affine_bundle, cpu_route):
+    """spin_wait_us and mailbox_bytes only change how each end waits for the next message and
+    which way a frame travels, never what it reads."""
     answers = []
-    for spin_wait_us in (0, 2000):
-        client = start_worker(dataclasses.replace(cpu_route, spin_wait_us=spin_wait_us))
+    for spin_wait_us, mailbox_bytes in ((0, 0), (2000, 0), (0, 1 << 20), (2000, 1 << 20)):
+        client = start_worker(dataclasses.replace(cpu_route, spin_wait_us=spin_wait_us, mailbox_bytes=mailbox_bytes))
+        assert (client._mailbox is not None) == bool(mailbox_bytes)
         client.load(affine_bundle.manifest_path)
         answers.append([client.run(affine_inputs(3, 16, seed=call), request_id=f"r{call}", stage_id=0, epoch=0)
                         for call in range(50)])
         assert client.stats()["runs"] == 50
         client.close()
-    for sleeping, polling in zip(*answers):
-        for name in sleeping:
-            np.testing.assert_array_equal(sleeping[name], polling[name])
+    for first, *others in zip(*answers):
+        for other in others:
+            for name in first:
+                np.testing.assert_array_equal(first[name], other[name])
 
 
 def test_input_mismatches_are_refused_and_the_worker_survives(start_worker, affine_bundle):
@@ -187,8 +190,8 @@ def test_fence_discards_the_reply_of_an_older_call(start_worker, slow_bundle):
     assert "discarded" in str(outcome["error"])
 
 
-def test_stale_generation_and_instance_are_refused(start_worker, affine_bundle):
-    client = start_worker(generation=3)
+def test_stale_generation_and_instance_are_refused(start_worker, affine_bundle, cpu_route):
+    client = start_worker(dataclasses.replace(cpu_route, mailbox_bytes=0), generation=3)
     client.load(affine_bundle.manifest_path)
     inputs = affine_inputs(1, 4)
     for field, value, error in [("generation", 2, wire.StaleGeneration), ("instance", "0" * 32, wire.StaleInstance)]:
@@ -235,19 +238,19 @@ def test_a_timed_out_call_retires_the_worker(start_worker, slow_bundle):
     assert client.wait_exit(1.0) and client.returncode == -signal.SIGKILL
 
 
-def test_a_call_s_send_is_bounded_by_its_own_deadline_only(start_worker, affine_bundle, monkeypatch):
+def test_a_call_s_send_is_bounded_by_its_own_deadline_only(start_worker, affine_bundle, cpu_route, monkeypatch):
     """The frame goes out under the call's own deadline: a call without one is never cut short by
     the socket timeout that an earlier call with a deadline left behind."""
-    client = start_worker()
+    client = start_worker(dataclasses.replace(cpu_route, mailbox_bytes=0))  # every frame on the socket
     client.load(affine_bundle.manifest_path)
     timeouts_at_send = []
-    send_frame = wire.send_frame
+    send = wire.EncodedFrame.send
 
-    def recording(sock, *args, **kwargs):
+    def recording(frame, sock):
         timeouts_at_send.append(sock.gettimeout())
-        return send_frame(sock, *args, **kwargs)
+        return send(frame, sock)
 
-    monkeypatch.setattr(wire, "send_frame", recording)
+    monkeypatch.setattr(wire.EncodedFrame, "send", recording)
     client.run(affine_inputs(1, 4), request_id="with", stage_id=0, epoch=0, timeout=0.5)
     client.run(affine_inputs(1, 4), request_id="without", stage_id=0, epoch=0)
     assert 0 < timeouts_at_send[0] <= 0.5 and timeouts_at_send[1] is None
@@ -259,6 +262,7 @@ def test_a_send_that_cannot_finish_in_time_retires_the_worker(start_worker, slow
     client = start_worker()
     client.load(slow_bundle.manifest_path)
     with client._send_lock:  # keep the worker computing, reading nothing, for a second or more
+        client._mailbox.announce(0)  # the frame is on the socket (16 MB: more than the mailbox holds)
         wire.send_frame(client._sock, "run", request_id="busy", epoch=0, generation=client.generation,
                         instance=client.instance, tensors={"x": np.ones((4096, 1024), np.float32)},
                         max_payload_bytes=client.route.max_io_bytes)

@@ -1,0 +1,230 @@
+"""The mailbox: a shared-memory path beside the socket for the wire's binary ``run`` / ``result``
+frames, with one doorbell per side (stdlib + numpy only; the semaphores through ctypes and libc).
+
+Why: on the 2-core CI virtual machine a socket round trip of 4 KB costs 25-35 us in the kernel
+between two polling processes, and a sleeping thread takes 100-300 us to wake; a process-shared
+semaphore posted and taken without sleeping costs about 1 us a round trip
+(``benchmarks/wire.py --phases``). The frames themselves are unchanged: a frame that fits the
+mailbox is written there byte for byte as it would go through the socket, and read back with the
+socket path's checks (wire.write_binary_frame / wire.read_binary_frame).
+
+The region is an anonymous memory file (``memfd_create``) the controller creates before it starts
+the worker, which inherits the descriptor (``--mailbox-fd``) and maps it shared::
+
+    [0, 64)         semaphore: messages for the worker (its doorbell)
+    [64, 128)       semaphore: messages for the controller
+    [128, 144)      i64 number, i64 length: the frame in the request area, and which of the
+                    controller's posts announced it (posts are numbered from 1)
+    [144, 160)      the same for the reply area
+    [160, 176)      magic b"OGMB", u32 MAILBOX_VERSION, u64 area bytes
+    [4096, +area)   the request area (controller -> worker)
+    [+area, +area)  the reply area (worker -> controller)
+
+Every message after the hello is announced by one post on the receiver's doorbell, whichever way
+it travels: the sender writes the frame into its area, its length and the number of the post to
+come, or sends the message through the socket, then posts. Each side counts the posts it makes
+and takes; the receiver takes one post per message, and the message is in the area exactly when
+the area's number is that of the post just taken, else on the socket (a later frame's number is
+higher, so a frame written while an earlier post is taken is never mistaken for it; sem_post and
+sem_trywait order the memory around them). So the doorbell is the only thing a side waits on: it
+polls it (``spin_us``), then sleeps on it in slices of PEER_CHECK_S, checking between slices
+whether the peer's socket hung up (a dead peer never posts). The areas need no lock: the
+controller has one call in flight, so each area has one writer at a time, and the reader copies a
+frame out before it answers. Fences travel through the socket and are posted like any message;
+they are never answered.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+import select
+import socket
+import struct
+import time
+
+import numpy as np
+
+from omnigraph.workers.wire import PREFIX_BYTES, PeerClosed
+
+FEATURE_MAILBOX = "mailbox"  # announced in the worker's hello once it mapped the mailbox
+MAILBOX_VERSION = 1
+MAGIC = b"OGMB"
+# Why: room for a 4 KB call and the ids, headers and paddings around it, and far below any RAM
+# budget (a worker maps two areas).
+MIN_AREA_BYTES = 4096
+# Why: larger frames are cheaper through the socket than copied twice through shared memory.
+MAX_AREA_BYTES = 1 << 30
+# Why: a peer that died never posts; a sleeping side looks at its socket this often.
+PEER_CHECK_S = 0.05
+_CONTROL_BYTES = 4096
+_SEM_OFFSETS = (0, 64)  # the worker's doorbell, the controller's
+_SLOTS_OFFSET = 128  # (number, length) of the request area, then of the reply area
+_HEADER = struct.Struct("<4sIQ")
+_HEADER_OFFSET = 160
+_SEM_T_BYTES = 64  # glibc's sem_t is 32 bytes on 64-bit hosts; each gets its own cache line
+
+
+class MailboxUnavailable(OSError):
+    """This host cannot share a mailbox (no memfd or no process-shared semaphores)."""
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    for name in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait"):
+        getattr(libc, name).restype = ctypes.c_int
+    libc.sem_init.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
+    libc.sem_post.argtypes = libc.sem_trywait.argtypes = (ctypes.c_void_p,)
+    libc.sem_timedwait.argtypes = (ctypes.c_void_p, ctypes.POINTER(_Timespec))
+    return libc
+
+
+class Mailbox:
+    """One side's view of the shared region: it writes its outbox and rings the peer's doorbell,
+    and waits on its own doorbell and reads its inbox. Build it with ``create`` (the controller)
+    or ``attach`` (the worker).
+
+    The mapping is never unmapped explicitly: a thread may still be waiting on a doorbell inside
+    it, so it lives as long as the Mailbox is referenced.
+    """
+
+    def __init__(self, region: mmap.mmap, area_bytes: int, *, controller: bool) -> None:
+        try:
+            self._libc = _libc()
+        except (OSError, AttributeError) as exc:
+            raise MailboxUnavailable(f"no process-shared semaphores here: {exc}") from None
+        self._region = region
+        self.area_bytes = area_bytes
+        base = np.frombuffer(region, np.uint8).ctypes.data
+        memory = memoryview(region)
+        requests = memory[_CONTROL_BYTES:_CONTROL_BYTES + area_bytes]
+        replies = memory[_CONTROL_BYTES + area_bytes:_CONTROL_BYTES + 2 * area_bytes]
+        slots = np.frombuffer(region, np.int64, 4, _SLOTS_OFFSET)
+        to_worker, to_controller = (ctypes.c_void_p(base + offset) for offset in _SEM_OFFSETS)
+        if controller:
+            self.outbox, self.inbox, self._bell, self._peer_bell = requests, replies, to_controller, to_worker
+            self._out_slot, self._in_slot = slots[0:2], slots[2:4]
+        else:
+            self.outbox, self.inbox, self._bell, self._peer_bell = replies, requests, to_worker, to_controller
+            self._out_slot, self._in_slot = slots[2:4], slots[0:2]
+        self._posted = 0  # posts made on the peer's doorbell
+        self._taken = 0   # posts taken from this side's doorbell
+        self.fd: int | None = None
+
+    @classmethod
+    def create(cls, area_bytes: int) -> Mailbox:
+        """The controller's side: a fresh region with both doorbells at 0. ``fd`` is the
+        descriptor to hand to the worker (``close_fd`` once it has started)."""
+        if type(area_bytes) is not int or not MIN_AREA_BYTES <= area_bytes <= MAX_AREA_BYTES:
+            raise ValueError(f"mailbox area must be an integer in [{MIN_AREA_BYTES}, {MAX_AREA_BYTES}] bytes")
+        try:
+            fd = os.memfd_create("omnigraph-mailbox", os.MFD_CLOEXEC)
+        except (AttributeError, OSError) as exc:
+            raise MailboxUnavailable(f"no memory files here: {exc}") from None
+        try:
+            os.ftruncate(fd, _CONTROL_BYTES + 2 * area_bytes)
+            region = mmap.mmap(fd, _CONTROL_BYTES + 2 * area_bytes, mmap.MAP_SHARED)
+            mailbox = cls(region, area_bytes, controller=True)
+            for bell in (mailbox._bell, mailbox._peer_bell):
+                if mailbox._libc.sem_init(bell, 1, 0):  # process-shared, no post yet
+                    raise MailboxUnavailable(f"sem_init failed: {os.strerror(ctypes.get_errno())}")
+            _HEADER.pack_into(region, _HEADER_OFFSET, MAGIC, MAILBOX_VERSION, area_bytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        mailbox.fd = fd
+        return mailbox
+
+    @classmethod
+    def attach(cls, fd: int) -> Mailbox:
+        """The worker's side: map the region the controller created (closing the descriptor)."""
+        try:
+            size = os.fstat(fd).st_size
+            if size < _CONTROL_BYTES:
+                raise MailboxUnavailable(f"mailbox file holds {size} bytes, less than its control block")
+            region = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        magic, version, area_bytes = _HEADER.unpack_from(region, _HEADER_OFFSET)
+        if magic != MAGIC or version != MAILBOX_VERSION or size != _CONTROL_BYTES + 2 * area_bytes:
+            raise MailboxUnavailable(f"not an omnigraph mailbox of version {MAILBOX_VERSION}: "
+                                     f"{magic!r} version {version}, {size} bytes for areas of {area_bytes}")
+        return cls(region, area_bytes, controller=False)
+
+    def close_fd(self) -> None:
+        """Close the controller's copy of the descriptor (the worker holds its own mapping)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def fits(self, frame_bytes: int) -> bool:
+        return PREFIX_BYTES <= frame_bytes <= self.area_bytes
+
+    def announce(self, frame_bytes: int) -> None:
+        """Ring the peer's doorbell for one message: the frame just written to the outbox
+        (``frame_bytes`` long) or, with 0, one sent through the socket. The caller serialises its
+        sends (one announcement per message, in order)."""
+        self._posted += 1
+        if frame_bytes:
+            self._out_slot[1] = frame_bytes
+            self._out_slot[0] = self._posted
+        if self._libc.sem_post(self._peer_bell):
+            raise OSError(ctypes.get_errno(), f"sem_post: {os.strerror(ctypes.get_errno())}")
+
+    def inbox_frame(self) -> int:
+        """After ``wait``: the length of the frame in the inbox that the post just taken
+        announced, or 0 when that message is on the socket."""
+        number, length = self._in_slot.tolist()
+        return length if number == self._taken else 0
+
+    def wait(self, spin_us: int, deadline: float | None, peer: socket.socket) -> bool:
+        """Take one post of this side's doorbell: True; False once ``deadline`` (time.monotonic)
+        has passed. Polls for up to ``spin_us`` first (yielding the CPU between polls), then sleeps.
+        Raises PeerClosed when the peer's socket hangs up with nothing posted."""
+        if self._take(spin_us, deadline, peer):
+            self._taken += 1
+            return True
+        return False
+
+    def _take(self, spin_us: int, deadline: float | None, peer: socket.socket) -> bool:
+        trywait, bell = self._libc.sem_trywait, self._bell
+        if trywait(bell) == 0:
+            return True
+        if spin_us:
+            end = time.perf_counter() + spin_us / 1e6
+            while time.perf_counter() < end:
+                if trywait(bell) == 0:
+                    return True
+                os.sched_yield()
+        hang_up = select.poll()
+        hang_up.register(peer, 0)  # hang-ups and errors only
+        while True:
+            pause = PEER_CHECK_S if deadline is None else min(PEER_CHECK_S, deadline - time.monotonic())
+            if pause <= 0:
+                return trywait(bell) == 0
+            if self._sleep(pause):
+                return True
+            if hang_up.poll(0):
+                if trywait(bell) == 0:  # the peer posted, then went
+                    return True
+                raise PeerClosed("the peer hung up")
+
+    def _sleep(self, seconds: float) -> bool:
+        """sem_timedwait for up to ``seconds``; True when a post was taken."""
+        until = time.time() + seconds
+        when = _Timespec(int(until), int((until % 1) * 1e9))
+        while True:
+            if self._libc.sem_timedwait(self._bell, ctypes.byref(when)) == 0:
+                return True
+            code = ctypes.get_errno()
+            if code == errno.ETIMEDOUT:
+                return False
+            if code != errno.EINTR:
+                raise OSError(code, f"sem_timedwait: {os.strerror(code)}")
