@@ -1,7 +1,9 @@
 """What the graph worker's wire costs: an identity graph run through a worker process vs the same
-InferenceSession.run in process, for 4 KB, 1 MB and 64 MB tensors, each sent inline (through the
-socket) and as shared memory (a memory file), to show where wire.SHM_THRESHOLD_BYTES belongs; inline
-also with both ends sleeping at once (spin_wait_us 0), to show what wire.SpinWait saves.
+InferenceSession.run in process, for 4 KB, 1 MB and 64 MB tensors, each sent through the mailbox
+(shared-memory areas and semaphores, workers/mailbox.py; the area sized to hold the frame), inline
+through the socket, and as shared memory (a memory file), to show where wire.SHM_THRESHOLD_BYTES
+and the route's mailbox_bytes belong; inline also with both ends sleeping at once (spin_wait_us 0),
+to show what wire.SpinWait saves.
 
     python benchmarks/wire.py [--json PATH] [--quick]
     python benchmarks/wire.py --phases [--json PATH]
@@ -13,7 +15,8 @@ forked child answers through the wire functions alone, both ends polling, (a) ec
 (b) running the worker's GraphSession on it, (c) the same with the tensor's 4 KB alone on the socket
 (no prefix, header or checks: one recv_into a fixed buffer per side), and (d) running the same
 GraphSession on a fixed array between two shared-memory counters that both ends spin on (no system
-call on the path), and (e) between (b) and (c): the same binary tensor section, behind a bare
+call on the path), (e) the same frames as (b) through the mailbox (shared memory and
+semaphores, workers/mailbox.py), and (f) between (b) and (c): the same binary tensor section, behind a bare
 prefix of two lengths, with nothing checked beyond a cache lookup of the section (the least any
 self-describing framing in Python does per message). Each child
 also times GraphSession.run in a tight loop of its own first ("quiet"), so the rows show what
@@ -44,15 +47,21 @@ import onnxruntime as ort
 
 from omnigraph.bundles import pack_bundle
 from omnigraph.workers.client import WorkerClient
+from omnigraph.workers.mailbox import Mailbox
 from omnigraph.workers import wire
-from omnigraph.workers.route import WorkerRoute
+from omnigraph.workers.route import DEFAULT_MAILBOX_BYTES, WorkerRoute
 from omnigraph.workers.session import load_session
-from omnigraph.workers.wire import SHM_THRESHOLD_BYTES, SPIN_WAIT_US
+from omnigraph.workers.wire import SPIN_WAIT_US
 
 CASES = [("4KB", 4 * 1024, 5000), ("1MB", 1024 * 1024, 500), ("64MB", 64 * 1024 * 1024, 30)]
 # (path, shm threshold for a tensor of n bytes, spin_wait_us): inline and shared memory with the
 # default polling, and inline with both ends sleeping at once (what polling saves, side by side).
-PATHS = [("inline", lambda n: 2 * n, SPIN_WAIT_US), ("inline-sleep", lambda n: 2 * n, 0), ("shm", lambda n: 1, SPIN_WAIT_US)]
+# (path, shm threshold for a tensor of n bytes, mailbox area for it, spin_wait_us).
+PATHS = [("mailbox", lambda n: 2 * n, lambda n: n + MAILBOX_HEADROOM, SPIN_WAIT_US),
+         ("inline", lambda n: 2 * n, lambda n: 0, SPIN_WAIT_US),
+         ("inline-sleep", lambda n: 2 * n, lambda n: 0, 0),
+         ("shm", lambda n: 1, lambda n: 0, SPIN_WAIT_US)]
+MAILBOX_HEADROOM = 64 * 1024  # prefix, header and paddings around the tensor
 TARGET_OVERHEAD_US_4KB = 100.0
 
 
@@ -134,10 +143,11 @@ def _spin_until_changed(counters: np.ndarray, index: int, seen: int) -> int:
 
 
 # --phases: (name, transport, runs the GraphSession). Transports: "codec" (wire frames through the
-# socket), "minimal" (see _MinimalFraming), "raw" (the tensor's 4 KB alone through the socket: no
+# socket), "mailbox" (the same frames through the mailbox), "minimal" (see _MinimalFraming), "raw" (the tensor's 4 KB alone through the socket: no
 # prefix, header or checks, one recv_into a fixed buffer per side), "counters" (shared-memory
 # counters, no system call).
 PHASES = [("socket echo", "codec", False), ("socket + GraphSession.run", "codec", True),
+          ("mailbox + GraphSession.run", "mailbox", True),
           ("minimal framing + GraphSession.run", "minimal", True),
           ("raw socket, no codec + GraphSession.run", "raw", True),
           ("shared-memory counters + GraphSession.run", "counters", True)]
@@ -189,9 +199,11 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
         ours, theirs = socket.socketpair()
         received = np.empty(1024, np.float32)  # the raw transport's fixed receive buffer
         counters = np.frombuffer(mmap.mmap(-1, mmap.PAGESIZE), np.int64, 2)  # posted to the child, to the parent
+        mailbox = Mailbox.create(1 << 20)
         pid = os.fork()
         if pid == 0:  # the answering process; its two medians go back through the socket at the end
             ours.close()
+            mailbox = Mailbox.attach(mailbox.fd)
             graph = load_session(str(manifest), route)[0] if runs_graph else None
             quiet = timings_us(lambda: graph.run(tensors, {"x": "float32"}), iterations) if graph else np.zeros(1)
             inside, wait, seen = [], wire.SpinWait(theirs, SPIN_WAIT_US), 0
@@ -205,6 +217,11 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                     except wire.PeerClosed:
                         break
                     arrays = wire.read_payload(theirs, frame)
+                elif transport == "mailbox":
+                    mailbox.wait(SPIN_WAIT_US, None, theirs)
+                    if not (length := mailbox.inbox_frame()):  # the parent's last message: it is done
+                        break
+                    frame, arrays = wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=limit)
                 elif transport == "minimal":
                     wait()
                     if (arrays := framing.receive()) is None:
@@ -226,6 +243,10 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                 if transport == "codec":
                     wire.send_frame(theirs, "result", epoch=1, generation=1, tensors=arrays, max_payload_bytes=limit,
                                     binary=True)
+                elif transport == "mailbox":
+                    mailbox.announce(wire.write_binary_frame(mailbox.outbox, "result", request_id="", stage_id=0, epoch=1,
+                                                             generation=1, instance="", tensors=arrays,
+                                                             max_payload_bytes=limit))
                 elif transport == "minimal":
                     framing.send(arrays)
                 elif transport == "raw":
@@ -235,6 +256,7 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
             theirs.send(np.array([np.median(quiet), np.median(inside) if inside else 0.0]).tobytes())
             os._exit(0)
         theirs.close()
+        mailbox.close_fd()
         ours.recv(1)  # loaded and timed alone
         wait, seen = wire.SpinWait(ours, SPIN_WAIT_US), 0
         framing = _MinimalFraming(ours, limit)
@@ -246,6 +268,12 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                                 binary=True)
                 wait()
                 wire.recv_message(ours, max_payload_bytes=limit)
+            elif transport == "mailbox":
+                mailbox.announce(wire.write_binary_frame(mailbox.outbox, "run", request_id="", stage_id=0, epoch=1,
+                                                         generation=1, instance="", tensors=tensors,
+                                                         max_payload_bytes=limit))
+                mailbox.wait(SPIN_WAIT_US, None, ours)
+                wire.read_binary_frame(mailbox.inbox, mailbox.inbox_frame(), max_payload_bytes=limit)
             elif transport == "minimal":
                 framing.send(tensors)
                 wait()
@@ -264,6 +292,8 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
             counters[0] = -1
         else:
             ours.shutdown(socket.SHUT_WR)
+            if transport == "mailbox":
+                mailbox.announce(0)
         quiet, inside = np.frombuffer(ours.recv(16), np.float64)
         ours.close()
         os.waitpid(pid, 0)
@@ -320,10 +350,10 @@ def main() -> int:
             for metric, value in measured.items():
                 rows.append({"case": case, "path": "in_process", "metric": metric, "value": round(float(value), 1),
                              "unit": "us", "iterations": iterations, **identity})
-            for path, threshold, spin_us in PATHS:
+            for path, threshold, mailbox_bytes, spin_us in PATHS:
                 route = WorkerRoute(name="bench-cpu", interpreter=sys.executable, max_io_bytes=128 * 1024 * 1024,
                                     intra_op_num_threads=1, shm_threshold_bytes=threshold(nbytes),
-                                    spin_wait_us=spin_us)
+                                    mailbox_bytes=mailbox_bytes(nbytes), spin_wait_us=spin_us)
                 with WorkerClient.start(route, generation=0) as client:
                     client.load(bundle.manifest_path)
                     assert np.array_equal(client.run(feed, request_id="check", stage_id=0, epoch=0)["y"], x)
@@ -339,7 +369,7 @@ def main() -> int:
     print(f"{'case':<6} {'path':<13} {'metric':<24} {'value':>12}")
     for row in rows:
         print(f"{row['case']:<6} {row['path']:<13} {row['metric']:<24} {row['value']:>10.1f} {row['unit']}")
-    default_path = "inline" if 4 * 1024 < SHM_THRESHOLD_BYTES else "shm"
+    default_path = "mailbox" if 4 * 1024 + MAILBOX_HEADROOM <= DEFAULT_MAILBOX_BYTES else "inline"
     overhead = next(r["value"] for r in rows
                     if r["case"] == "4KB" and r["path"] == default_path and r["metric"] == "worker_overhead_median")
     verdict = "meets" if overhead <= TARGET_OVERHEAD_US_4KB else "MISSES"

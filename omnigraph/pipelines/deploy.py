@@ -35,8 +35,9 @@ from omnigraph.pipelines.config import (
     StagePipelineConfig,
 )
 from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
+from omnigraph.workers.mailbox import MAX_AREA_BYTES, MIN_AREA_BYTES
 from omnigraph.workers.route import (
-    DEFAULT_CUDA_GRAPH_MAX_ROWS, DEFAULT_MAX_CUDA_GRAPHS, MAX_CUDA_GRAPHS_LIMIT, MAX_SPIN_WAIT_US,
+    DEFAULT_CUDA_GRAPH_MAX_ROWS, DEFAULT_MAILBOX_BYTES, DEFAULT_MAX_CUDA_GRAPHS, MAX_CUDA_GRAPHS_LIMIT, MAX_SPIN_WAIT_US,
 )
 from omnigraph.workers.wire import SPIN_WAIT_US
 
@@ -74,6 +75,14 @@ class RouteConfig(_Strict):
     max_cuda_graphs: int = Field(default=DEFAULT_MAX_CUDA_GRAPHS, ge=1, le=MAX_CUDA_GRAPHS_LIMIT)
     intra_op_num_threads: int | None = Field(default=None, ge=1)
     spin_wait_us: int = Field(default=SPIN_WAIT_US, ge=0, le=MAX_SPIN_WAIT_US)
+    mailbox_bytes: int = DEFAULT_MAILBOX_BYTES
+
+    @field_validator("mailbox_bytes")
+    @classmethod
+    def _mailbox_size(cls, value: int) -> int:
+        if value != 0 and not MIN_AREA_BYTES <= value <= MAX_AREA_BYTES:
+            raise ValueError(f"must be 0 (every frame through the socket) or in [{MIN_AREA_BYTES}, {MAX_AREA_BYTES}]")
+        return value
 
 
 class GraphBackendConfig(_Strict):

@@ -74,6 +74,7 @@ def worker_route(stage: StageDeployConfig) -> WorkerRoute:
         gpu_mem_limit=vram or None,
         intra_op_num_threads=route.intra_op_num_threads,
         spin_wait_us=route.spin_wait_us,
+        mailbox_bytes=route.mailbox_bytes,
         env=stage.env,
         **extra,
     )

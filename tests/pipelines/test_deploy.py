@@ -64,6 +64,7 @@ def test_restart_and_batching_keys(tmp_path, bundle_dir):
     ("ep: cpu", "epp: cpu", "stages[0].backend.route.epp: unknown key"),
     ("ep: cpu", "ep: gpu", "stages[0].backend.route.ep:"),
     ("ep: cpu", "ep: cpu, spin_wait_us: -5", "stages[0].backend.route.spin_wait_us:"),
+    ("ep: cpu", "ep: cpu, mailbox_bytes: 100", "stages[0].backend.route.mailbox_bytes:"),
     ("demands: {\"machine:ram\": 100}", "demands: {\"machine:ram\": \"100\"}", "stages[0].resource_budget.demands.machine:ram:"),
     ("bundles/head/manifest.json", "bundles/missing", "stages[0].backend.manifest: no such bundle"),
     ("name: external.graph.v1", "name: external.graph.v2", "stages[0].backend.name:"),
@@ -105,12 +106,13 @@ def test_base_config_merges_under_the_plan(tmp_path, bundle_dir):
         stages:
           - stage_id: 0
             num_replicas: 2
-            backend: {route: {name: two-threads, intra_op_num_threads: 2, spin_wait_us: 0}}
+            backend: {route: {name: two-threads, intra_op_num_threads: 2, spin_wait_us: 0, mailbox_bytes: 0}}
         """))
     stage = plan.stage(0)
     assert plan.max_queued_requests == 4 and stage.num_replicas == 2
     assert stage.backend.route.name == "two-threads" and stage.backend.route.intra_op_num_threads == 2
     assert stage.backend.route.spin_wait_us == 0 and worker_route(stage).spin_wait_us == 0
+    assert worker_route(stage).mailbox_bytes == 0
     assert stage.backend.manifest == bundle_dir / "manifest.json"  # relative to base.yaml's folder
     assert stage.resource_budget.demands == {"machine:ram": 100}
 

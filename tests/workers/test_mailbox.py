@@ -1,0 +1,189 @@
+"""The mailbox: frames through shared memory beside the socket, one doorbell per side."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from omnigraph.workers import wire
+from omnigraph.workers.errors import RemoteError
+from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable
+
+from .conftest import affine_inputs
+
+CAP = 1 << 20
+
+
+@pytest.fixture
+def pair():
+    """Both sides of one mailbox in this process, and the socket pair their hang-ups show on."""
+    controller = Mailbox.create(64 * 1024)
+    worker = Mailbox.attach(os.dup(controller.fd))
+    controller.close_fd()
+    ours, theirs = socket.socketpair()
+    yield controller, worker, ours, theirs
+    ours.close()
+    theirs.close()
+
+
+def write(area, tensors, **fields):
+    fields = {"request_id": "r1", "stage_id": 0, "epoch": 3, "generation": 2, "instance": "i" * 32, **fields}
+    return wire.write_binary_frame(area, "run", tensors=tensors, max_payload_bytes=CAP, **fields)
+
+
+def test_a_frame_in_the_mailbox_reads_back_as_sent():
+    mailbox = Mailbox.create(64 * 1024)
+    tensors = {"x": np.arange(12, dtype=np.float32).reshape(3, 4), "ids": np.array([[1, 2, 3]], np.int64),
+               "mask": np.array([True, False]), "half": np.ones((2, 1), np.float16), "scalar": np.array(7, np.int32),
+               "empty": np.zeros((0, 5), np.float32), "strided": np.arange(10, dtype=np.int64)[::2]}
+    length = write(mailbox.outbox, tensors)
+    frame, arrays = wire.read_binary_frame(mailbox.outbox, length, max_payload_bytes=CAP)
+    assert (frame.type, frame.request_id, frame.epoch, frame.generation, frame.binary) == ("run", "r1", 3, 2, True)
+    assert arrays.keys() == tensors.keys()
+    for name, array in tensors.items():
+        assert arrays[name].dtype == array.dtype and arrays[name].shape == array.shape
+        np.testing.assert_array_equal(arrays[name], array)
+    write(mailbox.outbox, {"x": np.zeros((3, 4), np.float32)})
+    np.testing.assert_array_equal(arrays["x"], tensors["x"])  # the reader's arrays own their bytes
+
+
+def test_the_mailbox_frame_is_the_socket_frame_byte_for_byte():
+    mailbox = Mailbox.create(64 * 1024)
+    tensors = {"x": np.arange(5, dtype=np.float32)}
+    length = write(mailbox.outbox, tensors)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        wire.send_frame(ours, "run", request_id="r1", epoch=3, generation=2, instance="i" * 32, tensors=tensors,
+                        max_payload_bytes=CAP, binary=True)
+        assert theirs.recv(length + 1) == bytes(mailbox.outbox[:length])
+
+
+def test_what_the_mailbox_cannot_hold_goes_through_the_socket():
+    mailbox = Mailbox.create(4096)
+    assert write(mailbox.outbox, {"x": np.zeros(2048, np.float32)}) is None  # 8 KB: more than the area
+    assert wire.write_binary_frame(mailbox.outbox, "run", request_id="", stage_id=0, epoch=0, generation=0,
+                                   instance="", tensors={"x": np.zeros(16, np.float32)}, max_payload_bytes=CAP,
+                                   shm_threshold_bytes=64) is None  # a tensor due for shared memory
+
+
+def test_a_frame_the_receiver_would_refuse_is_refused_before_anything_is_written():
+    mailbox = Mailbox.create(64 * 1024)
+    before = bytes(mailbox.outbox[:256])
+    with pytest.raises(wire.PayloadTooLarge):
+        wire.write_binary_frame(mailbox.outbox, "run", request_id="r", stage_id=0, epoch=0, generation=0, instance="",
+                                tensors={"x": np.zeros(1024, np.float32)}, max_payload_bytes=1024)
+    with pytest.raises(wire.UnknownDtype):
+        write(mailbox.outbox, {"x": np.zeros(4, np.uint16)})
+    with pytest.raises(wire.MalformedHeader):
+        write(mailbox.outbox, {"x": np.zeros(4, np.float32)}, request_id="r" * 300)
+    with pytest.raises(wire.MalformedHeader):
+        wire.write_binary_frame(mailbox.outbox, "load", request_id="", stage_id=0, epoch=0, generation=0, instance="",
+                                tensors={}, max_payload_bytes=CAP)
+    assert bytes(mailbox.outbox[:256]) == before
+
+
+@pytest.mark.parametrize("tamper, error", [
+    (lambda area, n: n + 1, wire.ByteLengthMismatch),                            # announced longer than written
+    (lambda area, n: 4, wire.TruncatedFrame),                                    # shorter than a prefix
+    (lambda area, n: 1 << 30, wire.TruncatedFrame),                              # beyond the area
+    (lambda area, n: area.__setitem__(slice(0, 4), wire.MAGIC) or n, wire.BadMagic),  # a JSON frame
+    (lambda area, n: area.__setitem__(slice(4, 6), b"\x09\x00") or n, wire.UnsupportedVersion),
+    (lambda area, n: area.__setitem__(slice(12, 20), (2 * CAP).to_bytes(8, "little")) or n, wire.PayloadTooLarge),
+    (lambda area, n: area.__setitem__(slice(92, 100), (999).to_bytes(8, "little")) or n, wire.ByteLengthMismatch),
+])
+def test_a_tampered_mailbox_frame_is_refused_with_its_wire_code(tamper, error):
+    mailbox = Mailbox.create(64 * 1024)
+    length = write(mailbox.outbox, {"x": np.zeros(8, np.float32)})
+    with pytest.raises(error):
+        wire.read_binary_frame(mailbox.outbox, tamper(mailbox.outbox, length), max_payload_bytes=CAP)
+
+
+def test_each_post_says_whether_its_message_is_in_the_mailbox(pair):
+    controller, worker, ours, _ = pair
+    controller.announce(0)  # a message on the socket
+    length = write(controller.outbox, {"x": np.ones(4, np.float32)})
+    controller.announce(length)  # then one in the mailbox
+    assert worker.wait(0, None, ours) and worker.inbox_frame() == 0
+    assert worker.wait(0, None, ours) and worker.inbox_frame() == length
+    worker.announce(0)
+    assert controller.wait(0, None, ours) and controller.inbox_frame() == 0
+
+
+def test_a_frame_written_before_its_post_is_not_taken_for_an_earlier_message(pair):
+    """A socket message is posted; the next call's frame lands in the mailbox before its own post:
+    the first post still means the socket."""
+    controller, worker, ours, _ = pair
+    controller.announce(0)
+    write(controller.outbox, {"x": np.ones(4, np.float32)})
+    controller._out_slot[1] = 160
+    controller._out_slot[0] = 2  # what announce writes for the next post, not yet made
+    assert worker.wait(0, None, ours) and worker.inbox_frame() == 0
+
+
+def test_a_wait_ends_at_its_deadline_or_when_the_peer_hangs_up(pair):
+    controller, worker, ours, theirs = pair
+    started = time.monotonic()
+    assert not worker.wait(200, time.monotonic() + 0.1, ours)
+    assert 0.1 <= time.monotonic() - started < 1.0
+    controller.announce(0)
+    theirs.close()  # the peer posted, then went: the post is still taken
+    assert worker.wait(0, None, ours)
+    started = time.monotonic()
+    with pytest.raises(wire.PeerClosed):
+        worker.wait(0, None, ours)
+    assert time.monotonic() - started < 1.0
+
+
+def test_a_file_that_is_not_a_mailbox_is_refused(tmp_path):
+    fd = os.memfd_create("not-a-mailbox")
+    os.ftruncate(fd, 3 * 4096)
+    with pytest.raises(MailboxUnavailable, match="not an omnigraph mailbox"):
+        Mailbox.attach(fd)
+    with pytest.raises(ValueError):
+        Mailbox.create(100)
+
+
+def test_a_worker_serves_through_the_mailbox_and_the_socket_alike(start_worker, affine_bundle, cpu_route):
+    client = start_worker(dataclasses.replace(cpu_route, mailbox_bytes=4096))
+    assert FEATURE_MAILBOX in client.hello.features and client._mailbox is not None
+    client.load(affine_bundle.manifest_path)
+    small, large = affine_inputs(2, 4), affine_inputs(64, 64)  # 1 KB through the mailbox, 17 KB through the socket
+    for inputs in (small, large, small):
+        got = client.run(inputs, request_id="r", stage_id=0, epoch=0)
+        np.testing.assert_array_equal(got["y"], np.maximum(inputs["x"], 0) * 2 - 1)
+    assert client.stats()["runs"] == 3
+
+
+def test_a_route_without_a_mailbox_keeps_every_frame_on_the_socket(start_worker, cpu_route):
+    client = start_worker(dataclasses.replace(cpu_route, mailbox_bytes=0))
+    assert FEATURE_MAILBOX not in client.hello.features and client._mailbox is None
+
+
+def test_the_worker_refuses_a_bad_mailbox_frame_and_serves_on(start_worker, affine_bundle):
+    client = start_worker()
+    client.load(affine_bundle.manifest_path)
+    mailbox = client._mailbox
+    for fields, code in (({"generation": 0}, "stale_generation"), ({}, "bad_magic")):
+        with client._send_lock:
+            length = write(mailbox.outbox, affine_inputs(1, 4), instance=client.instance,
+                           **{"generation": client.generation, **fields})
+            if code == "bad_magic":
+                mailbox.outbox[:4] = wire.MAGIC
+            mailbox.announce(length)
+        frame, _ = client._receive(None)
+        assert frame.type == "error" and frame.body["code"] == code
+    assert client.run(affine_inputs(1, 4), request_id="fresh", stage_id=0, epoch=0)["y"].shape == (1, 4)
+    assert client.stats()["refused_frames"] == 2
+
+
+def test_a_refused_call_leaves_the_mailbox_in_step(start_worker, affine_bundle):
+    client = start_worker()
+    client.load(affine_bundle.manifest_path)
+    with pytest.raises(RemoteError, match="input_name_mismatch"):
+        client.run({"x": np.ones((1, 4), np.float32)}, request_id="bad", stage_id=0, epoch=0)
+    assert client.run(affine_inputs(1, 4), request_id="good", stage_id=0, epoch=0)["y"].shape == (1, 4)
