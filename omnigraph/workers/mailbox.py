@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import functools
 import mmap
 import os
 import select
@@ -56,16 +57,16 @@ MAGIC = b"OGMB"
 # Why: room for a 4 KB call and the ids, headers and paddings around it, and far below any RAM
 # budget (a worker maps two areas).
 MIN_AREA_BYTES = 4096
-# Why: larger frames are cheaper through the socket than copied twice through shared memory.
+# Why: both processes map both areas; tensors this large belong in their own memory files.
 MAX_AREA_BYTES = 1 << 30
 # Why: a peer that died never posts; a sleeping side looks at its socket this often.
 PEER_CHECK_S = 0.05
 _CONTROL_BYTES = 4096
-_SEM_OFFSETS = (0, 64)  # the worker's doorbell, the controller's
+_SEM_T_BYTES = 64  # glibc's sem_t is 32 bytes on 64-bit hosts; each gets its own cache line
+_SEM_OFFSETS = (0, _SEM_T_BYTES)  # the worker's doorbell, the controller's
 _SLOTS_OFFSET = 128  # (number, length) of the request area, then of the reply area
 _HEADER = struct.Struct("<4sIQ")
 _HEADER_OFFSET = 160
-_SEM_T_BYTES = 64  # glibc's sem_t is 32 bytes on 64-bit hosts; each gets its own cache line
 
 
 class MailboxUnavailable(OSError):
@@ -76,13 +77,19 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
+    """libc's semaphore functions, typed. sem_clockwait (glibc 2.30) sleeps against the monotonic
+    clock; where it is missing, sem_timedwait sleeps against the wall clock."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     for name in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait"):
         getattr(libc, name).restype = ctypes.c_int
     libc.sem_init.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint)
     libc.sem_post.argtypes = libc.sem_trywait.argtypes = (ctypes.c_void_p,)
     libc.sem_timedwait.argtypes = (ctypes.c_void_p, ctypes.POINTER(_Timespec))
+    if hasattr(libc, "sem_clockwait"):
+        libc.sem_clockwait.restype = ctypes.c_int
+        libc.sem_clockwait.argtypes = (ctypes.c_void_p, ctypes.c_int, ctypes.POINTER(_Timespec))
     return libc
 
 
@@ -98,7 +105,7 @@ class Mailbox:
     def __init__(self, region: mmap.mmap, area_bytes: int, *, controller: bool) -> None:
         try:
             self._libc = _libc()
-        except (OSError, AttributeError) as exc:
+        except (OSError, AttributeError) as exc:  # no libc, or one without POSIX semaphores
             raise MailboxUnavailable(f"no process-shared semaphores here: {exc}") from None
         self._region = region
         self.area_bytes = area_bytes
@@ -217,14 +224,19 @@ class Mailbox:
                 raise PeerClosed("the peer hung up")
 
     def _sleep(self, seconds: float) -> bool:
-        """sem_timedwait for up to ``seconds``; True when a post was taken."""
-        until = time.time() + seconds
-        when = _Timespec(int(until), int((until % 1) * 1e9))
+        """Sleep on this side's doorbell for up to ``seconds``; True when a post was taken."""
+        monotonic = hasattr(self._libc, "sem_clockwait")
+        until = (time.clock_gettime(time.CLOCK_MONOTONIC) if monotonic else time.time()) + seconds
+        when = ctypes.byref(_Timespec(int(until), int((until % 1) * 1e9)))
         while True:
-            if self._libc.sem_timedwait(self._bell, ctypes.byref(when)) == 0:
+            if monotonic:
+                taken = self._libc.sem_clockwait(self._bell, time.CLOCK_MONOTONIC, when) == 0
+            else:
+                taken = self._libc.sem_timedwait(self._bell, when) == 0
+            if taken:
                 return True
             code = ctypes.get_errno()
             if code == errno.ETIMEDOUT:
                 return False
             if code != errno.EINTR:
-                raise OSError(code, f"sem_timedwait: {os.strerror(code)}")
+                raise OSError(code, f"waiting on the mailbox: {os.strerror(code)}")
