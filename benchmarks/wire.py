@@ -3,7 +3,8 @@ InferenceSession.run in process, for 4 KB, 1 MB and 64 MB tensors, each sent thr
 (shared-memory areas and semaphores, workers/mailbox.py; the area sized to hold the frame), inline
 through the socket, and as shared memory (a memory file), to show where wire.SHM_THRESHOLD_BYTES
 and the route's mailbox_bytes belong; inline also with both ends sleeping at once (spin_wait_us 0),
-to show what wire.SpinWait saves.
+to show what wire.SpinWait saves. The in-process session and every path are timed in alternating
+blocks (ROUNDS of them), so a quiet or a busy minute of a shared machine shows in all of them.
 
     python benchmarks/wire.py [--json PATH] [--quick]
     python benchmarks/wire.py --phases [--json PATH]
@@ -26,7 +27,9 @@ alternating with the other process does to the same call.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import json
 import mmap
 import platform
@@ -39,6 +42,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -62,6 +66,7 @@ PATHS = [("mailbox", lambda n: 2 * n, lambda n: n + MAILBOX_HEADROOM, SPIN_WAIT_
          ("inline-sleep", lambda n: 2 * n, lambda n: 0, 0),
          ("shm", lambda n: 1, lambda n: 0, SPIN_WAIT_US)]
 MAILBOX_HEADROOM = 64 * 1024  # prefix, header and paddings around the tensor
+ROUNDS = 10  # blocks per path, taken in turn (see interleaved_timings_us)
 TARGET_OVERHEAD_US_4KB = 100.0
 
 
@@ -84,6 +89,18 @@ def timings_us(call, iterations: int) -> np.ndarray:
         call()
         samples[i] = (time.perf_counter_ns() - start) / 1000.0
     return samples
+
+
+def interleaved_timings_us(calls: dict[str, Callable[[], object]], iterations: int) -> dict[str, np.ndarray]:
+    """``iterations`` timings of each call, taken in ROUNDS blocks that visit the calls in turn, so
+    that every call sees the same moments of a shared machine (a quiet or a busy minute shows in
+    all of them, not in one)."""
+    block = max(1, iterations // ROUNDS)
+    samples: dict[str, list[np.ndarray]] = {name: [] for name in calls}
+    for _ in range(ROUNDS):
+        for name, call in calls.items():
+            samples[name].append(timings_us(call, block))
+    return {name: np.concatenate(blocks) for name, blocks in samples.items()}
 
 
 def socket_floor_us(nbytes: int, iterations: int) -> np.ndarray:
@@ -338,7 +355,18 @@ def main() -> int:
             iterations = max(10, iterations // 10) if args.quick else iterations
             x = np.random.default_rng(0).standard_normal(nbytes // 4).astype(np.float32)
             feed = {"x": x}
-            local = timings_us(lambda: session.run(None, feed), iterations)
+            with contextlib.ExitStack() as workers:
+                calls = {"in_process": lambda: session.run(None, feed)}
+                for path, threshold, mailbox_bytes, spin_us in PATHS:
+                    route = WorkerRoute(name="bench-cpu", interpreter=sys.executable, max_io_bytes=128 * 1024 * 1024,
+                                        intra_op_num_threads=1, shm_threshold_bytes=threshold(nbytes),
+                                        mailbox_bytes=mailbox_bytes(nbytes), spin_wait_us=spin_us)
+                    client = workers.enter_context(WorkerClient.start(route, generation=0))
+                    client.load(bundle.manifest_path)
+                    assert np.array_equal(client.run(feed, request_id="check", stage_id=0, epoch=0)["y"], x)
+                    calls[path] = functools.partial(client.run, feed, request_id="bench", stage_id=0, epoch=0)
+                samples = interleaved_timings_us(calls, iterations)
+            local = samples.pop("in_process")
             floor = socket_floor_us(nbytes, iterations)
             measured = {
                 "in_process_median": np.median(local),
@@ -350,14 +378,7 @@ def main() -> int:
             for metric, value in measured.items():
                 rows.append({"case": case, "path": "in_process", "metric": metric, "value": round(float(value), 1),
                              "unit": "us", "iterations": iterations, **identity})
-            for path, threshold, mailbox_bytes, spin_us in PATHS:
-                route = WorkerRoute(name="bench-cpu", interpreter=sys.executable, max_io_bytes=128 * 1024 * 1024,
-                                    intra_op_num_threads=1, shm_threshold_bytes=threshold(nbytes),
-                                    mailbox_bytes=mailbox_bytes(nbytes), spin_wait_us=spin_us)
-                with WorkerClient.start(route, generation=0) as client:
-                    client.load(bundle.manifest_path)
-                    assert np.array_equal(client.run(feed, request_id="check", stage_id=0, epoch=0)["y"], x)
-                    remote = timings_us(lambda: client.run(feed, request_id="bench", stage_id=0, epoch=0), iterations)
+            for path, remote in samples.items():
                 values = {
                     "worker_median": np.median(remote),
                     "worker_p99": np.percentile(remote, 99),

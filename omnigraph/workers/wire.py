@@ -160,6 +160,7 @@ FEATURE_SHM_FD = "shm_fd"
 FEATURE_BINARY_HEADER = "binary_header"
 FEATURES = frozenset({FEATURE_SHM_FD, FEATURE_BINARY_HEADER})
 BINARY_MESSAGE_TYPES = ("run", "result")  # binary type code = index + 1
+_BINARY_TYPE_CODES = {name: code for code, name in enumerate(BINARY_MESSAGE_TYPES, 1)}
 
 # Wire dtype name -> numpy dtype used to view it (bfloat16 travels as its raw uint16 bits).
 WIRE_DTYPES: dict[str, np.dtype] = {
@@ -465,8 +466,7 @@ def encode_frame(
     opening = _HEADER_OPENINGS.get(msg_type)
     if opening is None:
         raise MalformedHeader(f"unknown message type {msg_type!r}")
-    for key, value in (("stage_id", stage_id), ("epoch", epoch), ("generation", generation)):
-        _checked_int(key, value)
+    _check_ids(stage_id, epoch, generation)
     tensors = tensors or {}
     if binary and not body and msg_type in BINARY_MESSAGE_TYPES:
         layout = _binary_layout(tensors)
@@ -598,11 +598,12 @@ def _binary_head(msg_type: str, request_id: str, stage_id: int, epoch: int, gene
                  layout: _BinaryLayout) -> bytes:
     """The prefix and binary header of a frame of tensors whose layout is known."""
     rid, inst = _binary_string(request_id), _binary_string(instance)
-    header = b"".join((_BINARY_FIXED.pack(BINARY_MESSAGE_TYPES.index(msg_type) + 1, len(layout.paddings), len(rid),
-                                          len(inst), stage_id, epoch, generation), rid, inst, layout.section))
-    if len(header) > MAX_HEADER_BYTES:
-        raise HeaderTooLarge(f"header of {len(header)} bytes, at most {MAX_HEADER_BYTES}")
-    return PREFIX.pack(MAGIC_BINARY, WIRE_VERSION, 0, len(header), layout.payload_nbytes, 0) + header
+    header_len = _BINARY_FIXED.size + len(rid) + len(inst) + len(layout.section)
+    if header_len > MAX_HEADER_BYTES:
+        raise HeaderTooLarge(f"header of {header_len} bytes, at most {MAX_HEADER_BYTES}")
+    return b"".join((PREFIX.pack(MAGIC_BINARY, WIRE_VERSION, 0, header_len, layout.payload_nbytes, 0),
+                     _BINARY_FIXED.pack(_BINARY_TYPE_CODES[msg_type], len(layout.paddings), len(rid), len(inst),
+                                        stage_id, epoch, generation), rid, inst, layout.section))
 
 
 def _encode_binary(msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
@@ -626,8 +627,7 @@ def write_binary_frame(area: memoryview, msg_type: str, *, request_id: str, stag
     refuses, before writing anything."""
     if msg_type not in BINARY_MESSAGE_TYPES:
         raise MalformedHeader(f"the binary header carries run and result only, not {msg_type!r}")
-    for key, value in (("stage_id", stage_id), ("epoch", epoch), ("generation", generation)):
-        _checked_int(key, value)
+    _check_ids(stage_id, epoch, generation)
     layout = _binary_layout(tensors)
     if layout is None:  # a value that is not an array yet
         tensors = {name: np.asarray(value) for name, value in tensors.items()}
@@ -654,7 +654,7 @@ def read_binary_frame(area: memoryview, length: int, *, max_payload_bytes: int) 
     bytes, so the area may be written again at once. A refused frame leaves nothing to skip."""
     if not PREFIX_BYTES <= length <= len(area):
         raise TruncatedFrame(f"a mailbox frame of {length} bytes in an area of {len(area)}")
-    magic, header_len, payload_len = _checked_prefix(bytes(area[:PREFIX_BYTES]), max_payload_bytes)
+    magic, header_len, payload_len = _checked_prefix(area, max_payload_bytes)
     if magic != MAGIC_BINARY:
         raise BadMagic(f"prefix {magic!r}: the mailbox carries binary-header frames only")
     start = PREFIX_BYTES + header_len
@@ -739,6 +739,14 @@ def _close_fds(fds: list[int] | tuple[int, ...]) -> None:
             os.close(fd)
         except OSError:
             pass
+
+
+def _check_ids(stage_id: Any, epoch: Any, generation: Any) -> None:
+    """A frame's stage_id, epoch and generation, refused unless each fits [0, 2**63)."""
+    if not (type(stage_id) is int and type(epoch) is int and type(generation) is int
+            and 0 <= stage_id <= MAX_INT and 0 <= epoch <= MAX_INT and 0 <= generation <= MAX_INT):
+        for key, value in (("stage_id", stage_id), ("epoch", epoch), ("generation", generation)):
+            _checked_int(key, value)
 
 
 def _checked_int(key: str, value: Any) -> int:
@@ -888,8 +896,8 @@ def _read_binary_header(header: bytes, payload_len: int, max_payload_bytes: int,
     tensors, inline_total = checked
     if inline_total != payload_len:
         raise ByteLengthMismatch(f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)")
-    return Frame(BINARY_MESSAGE_TYPES[type_code - 1], request_id, _checked_int("stage_id", stage_id),
-                 _checked_int("epoch", epoch), _checked_int("generation", generation), instance, (), tensors, {},
+    _check_ids(stage_id, epoch, generation)
+    return Frame(BINARY_MESSAGE_TYPES[type_code - 1], request_id, stage_id, epoch, generation, instance, (), tensors, {},
                  payload_len, (), True)
 
 
@@ -1014,11 +1022,12 @@ class SpinWait:
             os.sched_yield()
 
 
-def _checked_prefix(prefix: bytes, max_payload_bytes: int) -> tuple[bytes, int, int]:
-    """A prefix's magic, header length and payload length, once every field is within bounds."""
-    magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack(prefix)
+def _checked_prefix(buffer: bytes | memoryview, max_payload_bytes: int) -> tuple[bytes, int, int]:
+    """The magic, header length and payload length of the prefix at the start of ``buffer``, once
+    every field is within bounds."""
+    magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack_from(buffer)
     if magic not in (MAGIC, MAGIC_BINARY) or flags != 0 or reserved != 0:
-        raise BadMagic(f"prefix {prefix[:4]!r} flags {flags} reserved {reserved}: not an omnigraph frame")
+        raise BadMagic(f"prefix {magic!r} flags {flags} reserved {reserved}: not an omnigraph frame")
     if version != WIRE_VERSION:
         raise UnsupportedVersion(f"wire version {version}, this side speaks {WIRE_VERSION}")
     if header_len == 0 or header_len > MAX_HEADER_BYTES:
