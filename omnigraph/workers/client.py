@@ -24,9 +24,8 @@ import subprocess
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -270,16 +269,9 @@ class WorkerClient:
     # ------------------------------------------------------------------------------------------
     # Plumbing
 
-    @contextmanager
-    def _call(self) -> Iterator[None]:
-        if not self._call_lock.acquire(blocking=False):
-            raise WorkerBusy(f"worker {self.pid} (generation {self.generation}) already has a call in flight")
-        try:
-            if self._closed:
-                raise WorkerDied(f"worker {self.pid} was closed", exit_status=self._process.poll())
-            yield
-        finally:
-            self._call_lock.release()
+    def _call(self) -> _OneCall:
+        """The guard every call runs under: one in flight (a second: WorkerBusy), none once closed."""
+        return _OneCall(self)
 
     def _send(self, msg_type: str, *, request_id: str = "", stage_id: int = 0, epoch: int | None = None,
               body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None,
@@ -373,6 +365,27 @@ class WorkerClient:
             f"{_log_tail(self._private_dir)}",
             exit_status=status,
         )
+
+
+class _OneCall:
+    """WorkerClient._call's guard: a plain class rather than a generator, since every call enters
+    one (made per call, so the client holds no reference back to itself)."""
+
+    __slots__ = ("_client",)
+
+    def __init__(self, client: WorkerClient) -> None:
+        self._client = client
+
+    def __enter__(self) -> None:
+        client = self._client
+        if not client._call_lock.acquire(blocking=False):
+            raise WorkerBusy(f"worker {client.pid} (generation {client.generation}) already has a call in flight")
+        if client._closed:
+            client._call_lock.release()
+            raise WorkerDied(f"worker {client.pid} was closed", exit_status=client._process.poll())
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._client._call_lock.release()
 
 
 def _new_mailbox(route: WorkerRoute) -> Mailbox | None:
