@@ -204,6 +204,7 @@ class WorkerClient:
             self.kill()
         self._process.wait()
         self._sock.close()
+        self._mailbox = None  # unmapped once no call in flight holds it either
         shutil.rmtree(self._private_dir, ignore_errors=True)
         return self._process.returncode
 

@@ -187,3 +187,16 @@ def test_a_refused_call_leaves_the_mailbox_in_step(start_worker, affine_bundle):
     with pytest.raises(RemoteError, match="input_name_mismatch"):
         client.run({"x": np.ones((1, 4), np.float32)}, request_id="bad", stage_id=0, epoch=0)
     assert client.run(affine_inputs(1, 4), request_id="good", stage_id=0, epoch=0)["y"].shape == (1, 4)
+
+
+def test_a_worker_whose_controller_goes_away_exits(start_worker):
+    client = start_worker()
+    client._sock.shutdown(socket.SHUT_RDWR)  # the controller's end closes, as when its process dies
+    assert client.wait_exit(5.0) and client.returncode == 0
+
+
+def test_close_lets_the_mailbox_go(start_worker, affine_bundle):
+    client = start_worker()
+    client.load(affine_bundle.manifest_path)
+    client.run(affine_inputs(1, 4), request_id="r", stage_id=0, epoch=0)
+    assert client.close() == 0 and client._mailbox is None

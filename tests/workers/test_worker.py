@@ -169,14 +169,15 @@ def test_load_stats_and_close_follow_the_epochs_the_calls_used(cpu_route, affine
     assert client.close() == 0  # answered and exited, not killed
 
 
-def test_fence_discards_the_reply_of_an_older_call(start_worker, slow_bundle):
+@pytest.mark.parametrize("rows", [192, 1024])  # 768 KiB through the mailbox, 4 MiB through the socket
+def test_fence_discards_the_reply_of_an_older_call(start_worker, slow_bundle, rows):
     client = start_worker()
     client.load(slow_bundle.manifest_path)
     outcome: dict[str, BaseException] = {}
 
     def call() -> None:
         try:
-            client.run({"x": np.ones((1024, 1024), np.float32)}, request_id="old", stage_id=0, epoch=1)
+            client.run({"x": np.ones((rows, 1024), np.float32)}, request_id="old", stage_id=0, epoch=1)
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             outcome["error"] = exc
 
@@ -188,6 +189,7 @@ def test_fence_discards_the_reply_of_an_older_call(start_worker, slow_bundle):
     thread.join(60)
     assert isinstance(outcome.get("error"), wire.StaleEpoch)
     assert "discarded" in str(outcome["error"])
+    assert client.run({"x": np.ones((1, 1024), np.float32)}, request_id="new", stage_id=0, epoch=2)["y"].shape == (1, 1024)
 
 
 def test_stale_generation_and_instance_are_refused(start_worker, affine_bundle, cpu_route):
