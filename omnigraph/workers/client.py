@@ -41,7 +41,7 @@ from omnigraph.workers.errors import (
     WorkerStartFailed,
     WorkerTimeout,
 )
-from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable
+from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable, send_message
 from omnigraph.workers.placement import PlacementReport
 from omnigraph.workers.reports import LoadReport, WorkerHello
 from omnigraph.workers.route import WorkerRoute
@@ -280,29 +280,15 @@ class WorkerClient:
         with self._send_lock:
             if epoch is None:
                 epoch = max(self._min_epoch, self._sent_epoch)
-            mailbox = self._mailbox
             try:
-                length = None
-                if mailbox is not None and binary and not body and msg_type in wire.BINARY_MESSAGE_TYPES:
-                    length = wire.write_binary_frame(
-                        mailbox.outbox, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
-                        generation=self.generation, instance=self.hello.instance, tensors=tensors or {},
-                        max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
-                    )
-                frame = None if length is not None else wire.encode_frame(
-                    msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch, generation=self.generation,
-                    instance=self.hello.instance, body=body, tensors=tensors, max_payload_bytes=self.route.max_io_bytes,
-                    shm_threshold_bytes=self.route.shm_threshold_bytes, binary=binary,
+                send_message(
+                    self._sock, self._mailbox, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
+                    generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
+                    max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
+                    binary=binary,
                 )
             except wire.WireError as exc:  # the encoder refuses before sending: the stream is untouched
                 raise CallRefused(exc.code, str(exc)) from None
-            if frame is None:
-                mailbox.announce(length)  # type: ignore[union-attr, arg-type]
-            else:
-                with frame:
-                    if mailbox is not None:
-                        mailbox.announce(0)  # before sending: the worker reads while a large frame goes out
-                    frame.send(self._sock)
             self._sent_epoch = max(self._sent_epoch, epoch)
 
     def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",

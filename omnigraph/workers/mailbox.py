@@ -47,8 +47,11 @@ import socket
 import struct
 import time
 
+from typing import Any, Mapping
+
 import numpy as np
 
+from omnigraph.workers import wire
 from omnigraph.workers.wire import PREFIX_BYTES, PeerClosed
 
 FEATURE_MAILBOX = "mailbox"  # announced in the worker's hello once it mapped the mailbox
@@ -246,3 +249,32 @@ class Mailbox:
                 return False
             if code != errno.EINTR:
                 raise OSError(code, f"waiting on the mailbox: {os.strerror(code)}")
+
+
+def send_message(sock: socket.socket, mailbox: Mailbox | None, msg_type: str, *, request_id: str, stage_id: int,
+                 epoch: int, generation: int, instance: str, body: Mapping[str, Any] | None,
+                 tensors: Mapping[str, Any] | None, max_payload_bytes: int, shm_threshold_bytes: int,
+                 binary: bool) -> None:
+    """Send one message the way the peer reads it: a binary run or result that fits the mailbox
+    through the mailbox, anything else through the socket (wire.encode_frame); with a mailbox,
+    announced either way, before the socket send so that the peer reads while a large frame goes
+    out. Refuses (a WireError, before anything is written or sent) what the receiver would refuse.
+    The caller serialises its sends."""
+    length = None
+    if mailbox is not None and binary and not body and msg_type in wire.BINARY_MESSAGE_TYPES:
+        length = wire.write_binary_frame(
+            mailbox.outbox, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch, generation=generation,
+            instance=instance, tensors=tensors or {}, max_payload_bytes=max_payload_bytes,
+            shm_threshold_bytes=shm_threshold_bytes,
+        )
+    if length is not None:
+        mailbox.announce(length)  # type: ignore[union-attr]
+        return
+    with wire.encode_frame(
+        msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch, generation=generation, instance=instance,
+        body=body, tensors=tensors, max_payload_bytes=max_payload_bytes, shm_threshold_bytes=shm_threshold_bytes,
+        binary=binary,
+    ) as frame:
+        if mailbox is not None:
+            mailbox.announce(0)
+        frame.send(sock)

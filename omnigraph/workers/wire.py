@@ -55,6 +55,11 @@ are no offsets to check), and the payload is exactly their aligned sum. Every ot
 is the JSON header's; the body is {} and no feature is required. A message that does not fit (a
 body, another type, a tensor for shared memory) is sent with the JSON header.
 
+Mailbox (feature ``"mailbox"``, which the worker announces when the controller gave it one; see
+workers/mailbox.py): a binary-header ``run`` or ``result`` frame, byte for byte as above, may be
+written into a shared-memory area instead of the socket (write_binary_frame) and is read back with
+the same checks (read_binary_frame); a frame that does not fit goes through the socket.
+
 Shared memory: a tensor of at least the sender's threshold (SHM_THRESHOLD_BYTES, 128 MiB, unless
 the route's ``shm_threshold_bytes`` says otherwise) goes in an anonymous memory file
 (``memfd_create``) whose descriptor travels with the frame as SCM_RIGHTS ancillary data on the Unix

@@ -4,7 +4,9 @@
 It connects to its controller's Unix socket, announces itself (hello: interpreter, versions,
 providers, pid, process start time, a random instance id, wire version and features), then serves
 one message at a time: load, run, stats, fence, close. Imports stdlib, numpy, onnxruntime, onnx
-and omnigraph.bundles only.
+and omnigraph.bundles only. Given ``--mailbox-fd`` (an inherited descriptor, mailbox.py), it maps the
+controller's mailbox and says so in its hello (feature ``mailbox``): from then on run and result
+frames that fit travel through shared memory, and every message is announced on a doorbell.
 
 Refusals: a message for another generation or instance, or with an epoch below the highest seen,
 gets an error frame (stale_generation / stale_instance / stale_epoch) and changes nothing (a fence
@@ -32,7 +34,7 @@ import onnxruntime as ort
 
 from omnigraph.workers import procfs, wire
 from omnigraph.workers.errors import LoadRefused, RemoteError
-from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable
+from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable, send_message
 from omnigraph.workers.reports import WorkerHello
 from omnigraph.workers.route import WorkerRoute
 from omnigraph.workers.session import GraphSession, load_session
@@ -228,26 +230,14 @@ class GraphWorker:
     def _send(self, msg_type: str, *, request_id: str = "", stage_id: int = 0, epoch: int = 0,
               body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None,
               binary: bool = False) -> None:
-        """Send through the mailbox what fits it (a binary result), the rest through the socket;
-        once announcing, ring the controller's doorbell either way."""
-        mailbox = self._mailbox if self._announcing else None
-        if mailbox is not None and binary and not body and msg_type in wire.BINARY_MESSAGE_TYPES:
-            length = wire.write_binary_frame(
-                mailbox.outbox, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
-                generation=self._generation, instance=self._instance, tensors=tensors or {},
-                max_payload_bytes=self._route.max_io_bytes, shm_threshold_bytes=self._route.shm_threshold_bytes,
-            )
-            if length is not None:
-                mailbox.announce(length)
-                return
-        with wire.encode_frame(
-            msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch, generation=self._generation,
-            instance=self._instance, body=body, tensors=tensors, max_payload_bytes=self._route.max_io_bytes,
+        """Send one message (mailbox.send_message): once the hello is out, through the mailbox where
+        it fits, and announced on the controller's doorbell either way."""
+        send_message(
+            self._sock, self._mailbox if self._announcing else None, msg_type, request_id=request_id,
+            stage_id=stage_id, epoch=epoch, generation=self._generation, instance=self._instance, body=body,
+            tensors=tensors, max_payload_bytes=self._route.max_io_bytes,
             shm_threshold_bytes=self._route.shm_threshold_bytes, binary=binary,
-        ) as frame:
-            if mailbox is not None:
-                mailbox.announce(0)  # before sending: the controller reads while a large frame goes out
-            frame.send(self._sock)
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:

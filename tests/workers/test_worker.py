@@ -169,15 +169,15 @@ def test_load_stats_and_close_follow_the_epochs_the_calls_used(cpu_route, affine
     assert client.close() == 0  # answered and exited, not killed
 
 
-@pytest.mark.parametrize("rows", [192, 1024])  # 768 KiB through the mailbox, 4 MiB through the socket
-def test_fence_discards_the_reply_of_an_older_call(start_worker, slow_bundle, rows):
-    client = start_worker()
+@pytest.mark.parametrize("mailbox_bytes", [0, 8 << 20])  # the 4 MiB call through the socket, or the mailbox
+def test_fence_discards_the_reply_of_an_older_call(start_worker, slow_bundle, cpu_route, mailbox_bytes):
+    client = start_worker(dataclasses.replace(cpu_route, mailbox_bytes=mailbox_bytes))
     client.load(slow_bundle.manifest_path)
     outcome: dict[str, BaseException] = {}
 
     def call() -> None:
         try:
-            client.run({"x": np.ones((rows, 1024), np.float32)}, request_id="old", stage_id=0, epoch=1)
+            client.run({"x": np.ones((1024, 1024), np.float32)}, request_id="old", stage_id=0, epoch=1)
         except BaseException as exc:  # noqa: BLE001 - handed to the test thread
             outcome["error"] = exc
 
