@@ -46,13 +46,11 @@ import select
 import socket
 import struct
 import time
-
 from typing import Any, Mapping
 
 import numpy as np
 
 from omnigraph.workers import wire
-from omnigraph.workers.wire import PREFIX_BYTES, PeerClosed
 
 FEATURE_MAILBOX = "mailbox"  # announced in the worker's hello once it mapped the mailbox
 MAILBOX_VERSION = 1
@@ -177,9 +175,6 @@ class Mailbox:
             os.close(self.fd)
             self.fd = None
 
-    def fits(self, frame_bytes: int) -> bool:
-        return PREFIX_BYTES <= frame_bytes <= self.area_bytes
-
     def announce(self, frame_bytes: int) -> None:
         """Ring the peer's doorbell for one message: the frame just written to the outbox
         (``frame_bytes`` long) or, with 0, one sent through the socket. The caller serialises its
@@ -230,7 +225,7 @@ class Mailbox:
             if hang_up.poll(0):
                 if trywait(bell) == 0:  # the peer posted, then went
                     return True
-                raise PeerClosed("the peer hung up")
+                raise wire.PeerClosed("the peer hung up")
 
     def _sleep(self, seconds: float) -> bool:
         """Sleep on this side's doorbell for up to ``seconds``; True when a post was taken."""
