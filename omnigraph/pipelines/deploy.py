@@ -35,9 +35,9 @@ from omnigraph.pipelines.config import (
     StagePipelineConfig,
 )
 from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
-from omnigraph.workers.mailbox import MAX_AREA_BYTES, MIN_AREA_BYTES
 from omnigraph.workers.route import (
     DEFAULT_CUDA_GRAPH_MAX_ROWS, DEFAULT_MAILBOX_BYTES, DEFAULT_MAX_CUDA_GRAPHS, MAX_CUDA_GRAPHS_LIMIT, MAX_SPIN_WAIT_US,
+    mailbox_bytes_problem,
 )
 from omnigraph.workers.wire import SPIN_WAIT_US
 
@@ -80,8 +80,8 @@ class RouteConfig(_Strict):
     @field_validator("mailbox_bytes")
     @classmethod
     def _mailbox_size(cls, value: int) -> int:
-        if value != 0 and not MIN_AREA_BYTES <= value <= MAX_AREA_BYTES:
-            raise ValueError(f"must be 0 (every frame through the socket) or in [{MIN_AREA_BYTES}, {MAX_AREA_BYTES}]")
+        if problem := mailbox_bytes_problem(value):
+            raise ValueError(problem)
         return value
 
 

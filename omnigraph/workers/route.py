@@ -39,6 +39,13 @@ MAX_SPIN_WAIT_US = 100_000
 DEFAULT_MAILBOX_BYTES = 1 << 20
 
 
+def mailbox_bytes_problem(value: Any) -> str | None:
+    """What is wrong with a route's ``mailbox_bytes`` (None: nothing; 0 means no mailbox)."""
+    if type(value) is not int or not (value == 0 or MIN_AREA_BYTES <= value <= MAX_AREA_BYTES):
+        return f"must be 0 (every frame through the socket) or an integer in [{MIN_AREA_BYTES}, {MAX_AREA_BYTES}]"
+    return None
+
+
 class RouteInvalid(ValueError):
     """A route field is missing, of the wrong type or contradicts another field."""
 
@@ -138,10 +145,8 @@ class WorkerRoute:
             raise RouteInvalid(f"route {self.name!r}: shm_threshold_bytes must be an integer >= 1")
         if type(self.spin_wait_us) is not int or not 0 <= self.spin_wait_us <= MAX_SPIN_WAIT_US:
             raise RouteInvalid(f"route {self.name!r}: spin_wait_us must be an integer in [0, {MAX_SPIN_WAIT_US}]")
-        if type(self.mailbox_bytes) is not int or not (
-                self.mailbox_bytes == 0 or MIN_AREA_BYTES <= self.mailbox_bytes <= MAX_AREA_BYTES):
-            raise RouteInvalid(f"route {self.name!r}: mailbox_bytes must be 0 or an integer in "
-                               f"[{MIN_AREA_BYTES}, {MAX_AREA_BYTES}]")
+        if problem := mailbox_bytes_problem(self.mailbox_bytes):
+            raise RouteInvalid(f"route {self.name!r}: mailbox_bytes {problem}")
         object.__setattr__(self, "allowed_providers", allowed)
         object.__setattr__(self, "min_fraction_on_target", float(self.min_fraction_on_target))
         object.__setattr__(self, "provider_options", MappingProxyType(dict(self.provider_options)))

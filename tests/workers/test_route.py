@@ -66,6 +66,9 @@ def test_json_round_trip():
     ({"max_cuda_graphs": 257}, "max_cuda_graphs"),
     ({"spin_wait_us": 100_001}, "spin_wait_us"),
     ({"spin_wait_us": 0.5}, "spin_wait_us"),
+    ({"mailbox_bytes": 100}, "mailbox_bytes"),
+    ({"mailbox_bytes": (1 << 30) + 1}, "mailbox_bytes"),
+    ({"mailbox_bytes": True}, "mailbox_bytes"),
 ])
 def test_invalid_fields_are_refused(fields, message):
     with pytest.raises(RouteInvalid, match=message):
