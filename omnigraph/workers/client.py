@@ -329,6 +329,8 @@ class WorkerClient:
                 raise socket.timeout("no reply before the deadline")
             if length := mailbox.inbox_frame():
                 return wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=self.route.max_io_bytes)
+            if deadline is not None:  # the doorbell's wait spent part of it
+                self._set_timeout(deadline)
         frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
         if deadline is not None:
             self._set_timeout(deadline)
