@@ -54,7 +54,7 @@ from omnigraph.workers.client import WorkerClient
 from omnigraph.workers.mailbox import Mailbox
 from omnigraph.workers import wire
 from omnigraph.workers.route import DEFAULT_MAILBOX_BYTES, WorkerRoute
-from omnigraph.workers.session import load_session
+from omnigraph.workers.session import describe, load_session
 from omnigraph.workers.wire import SPIN_WAIT_US
 
 CASES = [("4KB", 4 * 1024, 5000), ("1MB", 1024 * 1024, 500), ("64MB", 64 * 1024 * 1024, 30)]
@@ -222,7 +222,8 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
             ours.close()
             mailbox = Mailbox.attach(mailbox.fd)
             graph = load_session(str(manifest), route)[0] if runs_graph else None
-            quiet = timings_us(lambda: graph.run(tensors, {"x": "float32"}), iterations) if graph else np.zeros(1)
+            described = describe(tensors)
+            quiet = timings_us(lambda: graph.run(tensors, described), iterations) if graph else np.zeros(1)
             inside, wait, seen = [], wire.SpinWait(theirs, SPIN_WAIT_US), 0
             framing = _MinimalFraming(theirs, limit)
             theirs.send(b"r")
@@ -255,7 +256,7 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                     arrays = tensors
                 if graph is not None:
                     start = time.perf_counter_ns()
-                    arrays = graph.run(arrays, {"x": "float32"})
+                    arrays = graph.run(arrays, described)
                     inside.append((time.perf_counter_ns() - start) / 1000.0)
                 if transport == "codec":
                     wire.send_frame(theirs, "result", epoch=1, generation=1, tensors=arrays, max_payload_bytes=limit,

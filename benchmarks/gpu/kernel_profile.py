@@ -56,7 +56,7 @@ def profile_bundle(name: str, bundle: Path, checkpoint: Path, lengths: list[int]
     from omnigraph.bundles import verify_bundle
     from omnigraph.pipelines.laya.processor import LayaProcessor
     from omnigraph.workers.route import WorkerRoute
-    from omnigraph.workers.session import load_session
+    from omnigraph.workers.session import describe, load_session
 
     route = WorkerRoute(name=f"profile-{name}", interpreter=sys.executable, ep="cuda",
                         allowed_providers=("CUDAExecutionProvider", "CPUExecutionProvider"), min_fraction_on_target=0.0)
@@ -66,16 +66,16 @@ def profile_bundle(name: str, bundle: Path, checkpoint: Path, lengths: list[int]
     for requests in laya_gpu.build_requests(checkpoint, tuple(lengths)):
         (work,) = processor.prepare(requests.timed).work
         work = {key: np.repeat(value, batch_rows, axis=0) for key, value in work.items()}  # the row, repeated
-        dtypes = {key: ("bool" if value.dtype == np.bool_ else str(value.dtype)) for key, value in work.items()}
+        described = describe(work)
         for _ in range(5):
-            session.run(work, dtypes)
+            session.run(work, described)
         walls = []
         # (on a machine without CUDA the CPU activity keeps the script runnable: no kernel rows)
         activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU
         with profile(activities=[activity]) as prof:
             for _ in range(runs):
                 started = time.perf_counter()
-                session.run(work, dtypes)
+                session.run(work, described)
                 walls.append((time.perf_counter() - started) * 1e3)
         if torch.cuda.is_available():
             torch.cuda.synchronize()

@@ -9,7 +9,9 @@ mailbox is written there byte for byte as it would go through the socket, and re
 socket path's checks (wire.write_binary_frame / wire.read_binary_frame).
 
 The region is an anonymous memory file (``memfd_create``) the controller creates before it starts
-the worker, which inherits the descriptor (``--mailbox-fd``) and maps it shared::
+the worker, which inherits the descriptor (``--mailbox-fd``) and maps it shared, as three mappings
+(the control block and each area on its own, so an area is an ``mmap`` that takes an array's
+memory in one slice assignment)::
 
     [0, 64)         semaphore: messages for the worker (its doorbell)
     [64, 128)       semaphore: messages for the controller
@@ -17,8 +19,9 @@ the worker, which inherits the descriptor (``--mailbox-fd``) and maps it shared:
                     controller's posts announced it (posts are numbered from 1)
     [144, 160)      the same for the reply area
     [160, 176)      magic b"OGMB", u32 MAILBOX_VERSION, u64 area bytes
-    [4096, +area)   the request area (controller -> worker)
-    [+area, +area)  the reply area (worker -> controller)
+    [page, +area)   the request area (controller -> worker); page is 4096 bytes on x86-64
+    [page + span, +area)  the reply area (worker -> controller); span is the area bytes rounded
+                    up to whole pages, since a mapping starts on a page
 
 Every message after the hello is announced by one post on the receiver's doorbell, whichever way
 it travels: the sender writes the frame into its area, its length and the number of the post to
@@ -53,7 +56,7 @@ import numpy as np
 from omnigraph.workers import wire
 
 FEATURE_MAILBOX = "mailbox"  # announced in the worker's hello once it mapped the mailbox
-MAILBOX_VERSION = 1
+MAILBOX_VERSION = 2  # 2: each area starts on a page of its own
 MAGIC = b"OGMB"
 # Why: room for a 4 KB call and the ids, headers and paddings around it, and far below any RAM
 # budget (a worker maps two areas).
@@ -65,12 +68,18 @@ PEER_CHECK_S = 0.05
 # Why: a polling side gives its CPU to any other runnable thread this often. Yielding at every poll
 # slowed the code after each wait by 5-8 us a round trip on the CI machine (a system call per poll).
 SPIN_YIELD_S = 50e-6
-_CONTROL_BYTES = 4096
+_CONTROL_BYTES = mmap.ALLOCATIONGRANULARITY  # one page: the areas start on a page of their own
 _SEM_T_BYTES = 64  # glibc's sem_t is 32 bytes on 64-bit hosts; each gets its own cache line
 _SEM_OFFSETS = (0, _SEM_T_BYTES)  # the worker's doorbell, the controller's
-_SLOTS_OFFSET = 128  # (number, length) of the request area, then of the reply area
+_SLOT = struct.Struct("<qq")  # (post number, frame length) of one area
+_SLOT_OFFSETS = (128, 144)  # the request area's slot, the reply area's
 _HEADER = struct.Struct("<4sIQ")
 _HEADER_OFFSET = 160
+
+
+def _area_span(area_bytes: int) -> int:
+    """The bytes an area takes in the file: whole pages, so that the next one starts on a page."""
+    return -(-area_bytes // mmap.ALLOCATIONGRANULARITY) * mmap.ALLOCATIONGRANULARITY
 
 
 class MailboxUnavailable(OSError):
@@ -106,25 +115,24 @@ class Mailbox:
     it, so it lives as long as the Mailbox is referenced.
     """
 
-    def __init__(self, region: mmap.mmap, area_bytes: int, *, controller: bool) -> None:
+    def __init__(self, fd: int, area_bytes: int, *, controller: bool) -> None:
         try:
             self._libc = _libc()
         except (OSError, AttributeError) as exc:  # no libc, or one without POSIX semaphores
             raise MailboxUnavailable(f"no process-shared semaphores here: {exc}") from None
-        self._region = region
         self.area_bytes = area_bytes
-        base = np.frombuffer(region, np.uint8).ctypes.data
-        memory = memoryview(region)
-        requests = memory[_CONTROL_BYTES:_CONTROL_BYTES + area_bytes]
-        replies = memory[_CONTROL_BYTES + area_bytes:_CONTROL_BYTES + 2 * area_bytes]
-        slots = np.frombuffer(region, np.int64, 4, _SLOTS_OFFSET)
+        span = _area_span(area_bytes)
+        self._control = mmap.mmap(fd, _CONTROL_BYTES, mmap.MAP_SHARED)
+        requests = mmap.mmap(fd, area_bytes, mmap.MAP_SHARED, offset=_CONTROL_BYTES)
+        replies = mmap.mmap(fd, area_bytes, mmap.MAP_SHARED, offset=_CONTROL_BYTES + span)
+        base = np.frombuffer(self._control, np.uint8).ctypes.data
         to_worker, to_controller = (ctypes.c_void_p(base + offset) for offset in _SEM_OFFSETS)
         if controller:
             self.outbox, self.inbox, self._bell, self._peer_bell = requests, replies, to_controller, to_worker
-            self._out_slot, self._in_slot = slots[0:2], slots[2:4]
+            self._out_slot, self._in_slot = _SLOT_OFFSETS
         else:
             self.outbox, self.inbox, self._bell, self._peer_bell = replies, requests, to_worker, to_controller
-            self._out_slot, self._in_slot = slots[2:4], slots[0:2]
+            self._in_slot, self._out_slot = _SLOT_OFFSETS
         self._posted = 0  # posts made on the peer's doorbell
         self._taken = 0   # posts taken from this side's doorbell
         self.fd: int | None = None
@@ -140,13 +148,12 @@ class Mailbox:
         except (AttributeError, OSError) as exc:
             raise MailboxUnavailable(f"no memory files here: {exc}") from None
         try:
-            os.ftruncate(fd, _CONTROL_BYTES + 2 * area_bytes)
-            region = mmap.mmap(fd, _CONTROL_BYTES + 2 * area_bytes, mmap.MAP_SHARED)
-            mailbox = cls(region, area_bytes, controller=True)
+            os.ftruncate(fd, _CONTROL_BYTES + 2 * _area_span(area_bytes))
+            mailbox = cls(fd, area_bytes, controller=True)
             for bell in (mailbox._bell, mailbox._peer_bell):
                 if mailbox._libc.sem_init(bell, 1, 0):  # process-shared, no post yet
                     raise MailboxUnavailable(f"sem_init failed: {os.strerror(ctypes.get_errno())}")
-            _HEADER.pack_into(region, _HEADER_OFFSET, MAGIC, MAILBOX_VERSION, area_bytes)
+            _HEADER.pack_into(mailbox._control, _HEADER_OFFSET, MAGIC, MAILBOX_VERSION, area_bytes)
         except BaseException:
             os.close(fd)
             raise
@@ -160,14 +167,15 @@ class Mailbox:
             size = os.fstat(fd).st_size
             if size < _CONTROL_BYTES:
                 raise MailboxUnavailable(f"mailbox file holds {size} bytes, less than its control block")
-            region = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            with mmap.mmap(fd, _CONTROL_BYTES, mmap.MAP_SHARED) as control:
+                magic, version, area_bytes = _HEADER.unpack_from(control, _HEADER_OFFSET)
+            if magic != MAGIC or version != MAILBOX_VERSION or not MIN_AREA_BYTES <= area_bytes <= MAX_AREA_BYTES \
+                    or size != _CONTROL_BYTES + 2 * _area_span(area_bytes):
+                raise MailboxUnavailable(f"not an omnigraph mailbox of version {MAILBOX_VERSION}: "
+                                         f"{magic!r} version {version}, {size} bytes for areas of {area_bytes}")
+            return cls(fd, area_bytes, controller=False)
         finally:
             os.close(fd)
-        magic, version, area_bytes = _HEADER.unpack_from(region, _HEADER_OFFSET)
-        if magic != MAGIC or version != MAILBOX_VERSION or size != _CONTROL_BYTES + 2 * area_bytes:
-            raise MailboxUnavailable(f"not an omnigraph mailbox of version {MAILBOX_VERSION}: "
-                                     f"{magic!r} version {version}, {size} bytes for areas of {area_bytes}")
-        return cls(region, area_bytes, controller=False)
 
     def close_fd(self) -> None:
         """Close the controller's copy of the descriptor (the worker holds its own mapping)."""
@@ -181,15 +189,14 @@ class Mailbox:
         sends (one announcement per message, in order)."""
         self._posted += 1
         if frame_bytes:
-            self._out_slot[1] = frame_bytes
-            self._out_slot[0] = self._posted
+            _SLOT.pack_into(self._control, self._out_slot, self._posted, frame_bytes)
         if self._libc.sem_post(self._peer_bell):
             raise OSError(ctypes.get_errno(), f"sem_post: {os.strerror(ctypes.get_errno())}")
 
     def inbox_frame(self) -> int:
         """After ``wait``: the length of the frame in the inbox that the post just taken
         announced, or 0 when that message is on the socket."""
-        number, length = self._in_slot.tolist()
+        number, length = _SLOT.unpack_from(self._control, self._in_slot)
         return length if number == self._taken else 0
 
     def wait(self, spin_us: int, deadline: float | None, peer: socket.socket) -> bool:

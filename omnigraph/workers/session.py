@@ -11,7 +11,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, NoReturn
+from typing import Mapping, NoReturn, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -22,7 +22,7 @@ from omnigraph.workers.ops.loader import OpsLibraryError, custom_ops_library
 from omnigraph.workers.placement import PlacementReport, check_placement, placement_from_profile
 from omnigraph.workers.reports import LoadReport, TensorSpec
 from omnigraph.workers.route import WorkerRoute
-from omnigraph.workers.wire import wire_dtype_of
+from omnigraph.workers.wire import TensorDescriptor, wire_dtype_of
 
 # ORT type string -> wire dtype name (the types a graph's I/O may have to be served).
 ONNX_TO_WIRE = {
@@ -96,6 +96,7 @@ class GraphSession:
         self._output_names = [spec.name for spec in self.outputs]
         self._on_cuda = session.get_providers()[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
         self._cuda_graph_slots: dict[tuple[tuple[int, ...], ...], _CudaGraphSlot] = {}
+        self._accepted: tuple[TensorDescriptor, ...] | None = None  # the inputs last accepted (check_inputs)
 
     @property
     def providers(self) -> tuple[str, ...]:
@@ -104,29 +105,36 @@ class GraphSession:
     # ------------------------------------------------------------------------------------------
     # Calls
 
-    def check_inputs(self, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> None:
-        """Refuse inputs that differ from the graph's declared names, dtypes, ranks, static dims."""
+    def check_inputs(self, descriptors: Sequence[TensorDescriptor]) -> None:
+        """Refuse inputs (described as the wire describes them) that differ from the graph's declared
+        names, dtypes, ranks and static dims. The last tuple accepted is remembered: the wire hands
+        the same tuple again for a header it has read before, so a repeated call is checked once."""
+        if descriptors is self._accepted:
+            return
+        described = {desc.name: desc for desc in descriptors}
         declared = self._input_wire
-        if arrays.keys() != declared.keys():
-            missing = sorted(declared.keys() - arrays.keys())
-            unexpected = sorted(arrays.keys() - declared.keys())
+        if described.keys() != declared.keys():
+            missing = sorted(declared.keys() - described.keys())
+            unexpected = sorted(described.keys() - declared.keys())
             raise RemoteError("input_name_mismatch", f"missing inputs {missing}, unexpected inputs {unexpected}; the graph takes {sorted(declared)}")
         for name, wire_dtype, declared_shape in self._input_checks:
-            array = arrays[name]
-            if dtypes[name] != wire_dtype:
-                raise RemoteError("input_dtype_mismatch", f"input {name!r} is {dtypes[name]}, the graph declares {wire_dtype}")
-            shape = array.shape
+            dtype, shape = described[name].dtype, described[name].shape
+            if dtype != wire_dtype:
+                raise RemoteError("input_dtype_mismatch", f"input {name!r} is {dtype}, the graph declares {wire_dtype}")
             if len(shape) != len(declared_shape):
-                raise RemoteError("input_rank_mismatch", f"input {name!r} has rank {array.ndim} (shape {list(shape)}), the graph declares rank {len(declared_shape)}")
+                raise RemoteError("input_rank_mismatch", f"input {name!r} has rank {len(shape)} (shape {list(shape)}), the graph declares rank {len(declared_shape)}")
             for axis, (got, want) in enumerate(zip(shape, declared_shape)):
                 if got != want and isinstance(want, int):
                     raise RemoteError("input_shape_mismatch", f"input {name!r} dim {axis} is {got}, the graph declares {want} (shape {list(declared_shape)})")
+        if type(descriptors) is tuple:  # immutable: the same object is the same verdict
+            self._accepted = descriptors
 
-    def run(self, arrays: Mapping[str, np.ndarray], dtypes: Mapping[str, str]) -> dict[str, np.ndarray]:
-        """Check the inputs, run, and return host arrays by output name."""
-        self.check_inputs(arrays, dtypes)
+    def run(self, arrays: Mapping[str, np.ndarray], descriptors: Sequence[TensorDescriptor]) -> dict[str, np.ndarray]:
+        """Check the inputs, run, and return host arrays by output name. ``descriptors`` describe
+        ``arrays`` (the frame's tensors, or ``describe(arrays)``)."""
+        self.check_inputs(descriptors)
         if self._bfloat16_inputs:
-            feed = {name: self._ort_input(arrays[name], dtypes[name]) for name in self._input_wire}
+            feed = {name: self._ort_input(arrays[name], dtype) for name, dtype in self._input_wire.items()}
         else:  # the checked arrays are the feed as they are
             feed = arrays
         try:
@@ -266,9 +274,16 @@ def _example_inputs(bundle: VerifiedBundle) -> dict[str, np.ndarray] | None:
         return {name: data[name] for name in data.files}
 
 
+def describe(arrays: Mapping[str, np.ndarray]) -> tuple[TensorDescriptor, ...]:
+    """The wire's descriptors of ``arrays``, each as its own array's wire dtype (for GraphSession.run
+    on arrays that did not come off the wire)."""
+    return tuple(TensorDescriptor(name, wire_dtype_of(array), array.shape, array.nbytes, None, None)
+                 for name, array in arrays.items())
+
+
 def _run_example(graph: GraphSession, example: dict[str, np.ndarray]) -> None:
     """One call on the bundle's example inputs, each sent as its own array's wire dtype."""
-    graph.run(example, {name: wire_dtype_of(array) for name, array in example.items()})
+    graph.run(example, describe(example))
 
 
 def _warmup_placement(session: ort.InferenceSession, graph: GraphSession, example: dict[str, np.ndarray] | None, target: str) -> PlacementReport:

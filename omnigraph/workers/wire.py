@@ -551,6 +551,7 @@ class _BinaryLayout(NamedTuple):
 
     section: bytes                     # the header's tensor section
     paddings: tuple[bytes, ...]        # the zero bytes after each tensor (to the next 64)
+    extents: tuple[int, ...]           # each tensor's bytes with its padding
     payload_nbytes: int                # the aligned sum
     largest: int                       # the largest tensor's nbytes (shared memory decides by it)
 
@@ -582,7 +583,7 @@ def _new_binary_layout(key: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -
     if len(key) > MAX_TENSORS:
         raise TooManyTensors(f"{len(key)} tensors, at most {MAX_TENSORS}")
     parts: list[bytes] = []
-    paddings = []
+    paddings, extents = [], []
     total = largest = 0
     for name, dtype, shape in key:
         if len(shape) > MAX_RANK:
@@ -594,9 +595,10 @@ def _new_binary_layout(key: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -
                   _BINARY_DIMS[len(shape)].pack(*shape), encoded)
         extent = _align(nbytes)
         paddings.append(_PADDING[: extent - nbytes])
+        extents.append(extent)
         total += extent
         largest = max(largest, nbytes)
-    return _BinaryLayout(b"".join(parts), tuple(paddings), total, largest)
+    return _BinaryLayout(b"".join(parts), tuple(paddings), tuple(extents), total, largest)
 
 
 def _binary_head(msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
@@ -623,13 +625,13 @@ def _encode_binary(msg_type: str, request_id: str, stage_id: int, epoch: int, ge
     return EncodedFrame(buffers, len(buffers[0]) + layout.payload_nbytes, [])
 
 
-def write_binary_frame(area: memoryview, msg_type: str, *, request_id: str, stage_id: int, epoch: int,
+def write_binary_frame(area: mmap.mmap, msg_type: str, *, request_id: str, stage_id: int, epoch: int,
                        generation: int, instance: str, tensors: Mapping[str, Any], max_payload_bytes: int,
                        shm_threshold_bytes: int = SHM_THRESHOLD_BYTES) -> int | None:
-    """Write a binary-header ``run`` / ``result`` frame into ``area`` (bytes of the mailbox),
-    byte for byte as send_frame would send it; its length, or None when it does not fit
-    or a tensor is due for shared memory (send it through the socket). Refuses what send_frame
-    refuses, before writing anything."""
+    """Write a binary-header ``run`` / ``result`` frame into ``area`` (a shared mapping: its slice
+    assignment takes an array's memory as it is), byte for byte as send_frame would send it; its
+    length, or None when it does not fit or a tensor is due for shared memory (send it through the
+    socket). Refuses what send_frame refuses, before writing anything."""
     if msg_type not in BINARY_MESSAGE_TYPES:
         raise MalformedHeader(f"the binary header carries run and result only, not {msg_type!r}")
     _check_ids(stage_id, epoch, generation)
@@ -641,19 +643,18 @@ def write_binary_frame(area: memoryview, msg_type: str, *, request_id: str, stag
         raise PayloadTooLarge(f"tensors add up to {layout.payload_nbytes} bytes (64-byte aligned), "
                               f"more than {max_payload_bytes}")
     head = _binary_head(msg_type, request_id, stage_id, epoch, generation, instance, layout)
-    end = len(head) + layout.payload_nbytes
+    offset = len(head)
+    end = offset + layout.payload_nbytes
     if end > len(area) or layout.largest >= shm_threshold_bytes:
         return None
-    offset = len(head)
     area[:offset] = head
-    for array, padding in zip(tensors.values(), layout.paddings):
-        nbytes = array.nbytes
-        area[offset:offset + nbytes] = _as_bytes(array)
-        offset += nbytes + len(padding)
+    for array, extent in zip(tensors.values(), layout.extents):
+        area[offset:offset + array.nbytes] = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        offset += extent
     return end
 
 
-def read_binary_frame(area: memoryview, length: int, *, max_payload_bytes: int) -> tuple[Frame, dict[str, np.ndarray]]:
+def read_binary_frame(area: mmap.mmap, length: int, *, max_payload_bytes: int) -> tuple[Frame, dict[str, np.ndarray]]:
     """Read a frame that write_binary_frame put into ``area`` and ``length`` announces, with the
     socket path's checks (only the binary header is accepted); the arrays own copies of their
     bytes, so the area may be written again at once. A refused frame leaves nothing to skip."""
@@ -665,8 +666,8 @@ def read_binary_frame(area: memoryview, length: int, *, max_payload_bytes: int) 
     start = PREFIX_BYTES + header_len
     if start + payload_len != length:
         raise ByteLengthMismatch(f"a frame of {start + payload_len} bytes announced as {length}")
-    frame = _parse_binary_header(bytes(area[PREFIX_BYTES:start]), payload_len, max_payload_bytes, 0)
-    payload = bytearray(area[start:length])  # the reader's own copy: the peer may write the area again
+    frame = _parse_binary_header(area[PREFIX_BYTES:start], payload_len, max_payload_bytes, 0)
+    payload = bytearray(memoryview(area)[start:length])  # the reader's own copy: the peer may write the area again
     arrays = {desc.name: np.ndarray(desc.shape, WIRE_DTYPES[desc.dtype], buffer=payload, offset=desc.offset)
               for desc in frame.tensors}
     return frame, arrays
@@ -886,19 +887,15 @@ def _read_binary_header(header: bytes, payload_len: int, max_payload_bytes: int,
     type_code, count, id_length, instance_length, stage_id, epoch, generation = _BINARY_FIXED.unpack_from(header)
     if not 1 <= type_code <= len(BINARY_MESSAGE_TYPES):
         raise MalformedHeader(f"binary message type {type_code} is not one of 1 (run), 2 (result)")
-    position = _BINARY_FIXED.size
-    request_id = _binary_text(header, position, id_length, "request id")
-    position += id_length
-    instance = _binary_text(header, position, instance_length, "instance")
-    position += instance_length
-    section = (header[position:], count, max_payload_bytes)
-    checked = _checked_sections.get(section)
+    request_id = _binary_text(header, _BINARY_FIXED.size, id_length, "request id")
+    tail = (header[_BINARY_FIXED.size + id_length:], count, instance_length, max_payload_bytes)
+    checked = _checked_tails.get(tail)
     if checked is None:
-        checked = _checked_tensor_section(*section)
-        if len(_checked_sections) >= _CHECKED_SECTIONS_MAX:
-            _checked_sections.clear()
-        _checked_sections[section] = checked
-    tensors, inline_total = checked
+        checked = _checked_tail(*tail)
+        if len(_checked_tails) >= _CHECKED_TAILS_MAX:
+            _checked_tails.clear()
+        _checked_tails[tail] = checked
+    instance, tensors, inline_total = checked
     if inline_total != payload_len:
         raise ByteLengthMismatch(f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)")
     _check_ids(stage_id, epoch, generation)
@@ -906,11 +903,19 @@ def _read_binary_header(header: bytes, payload_len: int, max_payload_bytes: int,
                  payload_len, (), True)
 
 
-# Why: a stage sends the same few tensor layouts (names, dtypes, shapes) call after call, so the
-# validated descriptors of a binary header's tensor section are kept by its exact bytes and a
-# repeated section is not parsed again; bounded, since a peer chooses the shapes.
-_CHECKED_SECTIONS_MAX = 256
-_checked_sections: dict[tuple[bytes, int, int], tuple[tuple[TensorDescriptor, ...], int]] = {}
+# Why: what follows the request id in a binary header (the instance, then the tensor section)
+# repeats call after call (one worker process, the same few tensor layouts), so its validated
+# reading is kept by its exact bytes and a repeated one is not parsed again; bounded, since a peer
+# chooses the shapes.
+_CHECKED_TAILS_MAX = 256
+_checked_tails: dict[tuple[bytes, int, int, int], tuple[str, tuple[TensorDescriptor, ...], int]] = {}
+
+
+def _checked_tail(tail: bytes, count: int, instance_length: int, max_payload_bytes: int) -> tuple[str, tuple[TensorDescriptor, ...], int]:
+    """The instance, the tensor descriptors and the payload bytes they take, read from the part of a
+    binary header after its request id."""
+    instance = _binary_text(tail, 0, instance_length, "instance")
+    return (instance, *_checked_tensor_section(tail[instance_length:], count, max_payload_bytes))
 
 
 def _checked_tensor_section(section: bytes, count: int, max_payload_bytes: int) -> tuple[tuple[TensorDescriptor, ...], int]:

@@ -188,7 +188,7 @@ class GraphWorker:
             raise RemoteError("not_loaded", "run before a bundle was loaded")
         self._counters["runs"] += 1
         try:
-            outputs = self._session.run(arrays, {d.name: d.dtype for d in frame.tensors})
+            outputs = self._session.run(arrays, frame.tensors)
         except RemoteError as exc:  # refused inputs, or ORT failed the run
             self._counters["failed_runs" if exc.code == "run_failed" else "refused_runs"] += 1
             raise

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from omnigraph.workers import mailbox as mailbox_module
 from omnigraph.workers import wire
 from omnigraph.workers.errors import RemoteError
 from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable
@@ -120,8 +121,7 @@ def test_a_frame_written_before_its_post_is_not_taken_for_an_earlier_message(pai
     controller, worker, ours, _ = pair
     controller.announce(0)
     write(controller.outbox, {"x": np.ones(4, np.float32)})
-    controller._out_slot[1] = 160
-    controller._out_slot[0] = 2  # what announce writes for the next post, not yet made
+    mailbox_module._SLOT.pack_into(controller._control, controller._out_slot, 2, 160)  # the next post's slot, not yet made
     assert worker.wait(0, None, ours) and worker.inbox_frame() == 0
 
 
