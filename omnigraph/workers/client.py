@@ -292,11 +292,14 @@ class WorkerClient:
             self._sent_epoch = max(self._sent_epoch, epoch)
 
     def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",
-                          **fields: Any) -> tuple[wire.Frame, dict[str, Any], dict[str, np.ndarray]]:
+                          stage_id: int = 0, epoch: int | None = None, body: Mapping[str, Any] | None = None,
+                          tensors: Mapping[str, np.ndarray] | None = None,
+                          binary: bool = False) -> tuple[wire.Frame, dict[str, Any], dict[str, np.ndarray]]:
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._set_timeout(deadline)  # the send too is bounded by this call's deadline, and only by it
-            self._send(msg_type, request_id=request_id, **fields)
+            self._send(msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch, body=body, tensors=tensors,
+                       binary=binary)
             frame, arrays = self._receive(deadline)
         except socket.timeout:  # no reply in time, or a send cut off mid-frame: either way the stream is lost
             self.kill()

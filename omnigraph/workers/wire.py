@@ -654,10 +654,13 @@ def write_binary_frame(area: mmap.mmap, msg_type: str, *, request_id: str, stage
     return end
 
 
-def read_binary_frame(area: mmap.mmap, length: int, *, max_payload_bytes: int) -> tuple[Frame, dict[str, np.ndarray]]:
+def read_binary_frame(area: mmap.mmap, length: int, *, max_payload_bytes: int,
+                      copy: bool = True) -> tuple[Frame, dict[str, np.ndarray]]:
     """Read a frame that write_binary_frame put into ``area`` and ``length`` announces, with the
-    socket path's checks (only the binary header is accepted); the arrays own copies of their
-    bytes, so the area may be written again at once. A refused frame leaves nothing to skip."""
+    socket path's checks (only the binary header is accepted). The arrays own copies of their
+    bytes, so the area may be written again at once; with ``copy=False`` they view the area
+    itself, for a reader whose peer writes it again only after an answer (the worker's inputs,
+    until it replies). A refused frame leaves nothing to skip."""
     if not PREFIX_BYTES <= length <= len(area):
         raise TruncatedFrame(f"a mailbox frame of {length} bytes in an area of {len(area)}")
     magic, header_len, payload_len = _checked_prefix(area, max_payload_bytes)
@@ -667,8 +670,11 @@ def read_binary_frame(area: mmap.mmap, length: int, *, max_payload_bytes: int) -
     if start + payload_len != length:
         raise ByteLengthMismatch(f"a frame of {start + payload_len} bytes announced as {length}")
     frame = _parse_binary_header(area[PREFIX_BYTES:start], payload_len, max_payload_bytes, 0)
-    payload = bytearray(memoryview(area)[start:length])  # the reader's own copy: the peer may write the area again
-    arrays = {desc.name: np.ndarray(desc.shape, WIRE_DTYPES[desc.dtype], buffer=payload, offset=desc.offset)
+    if copy:
+        payload, start = bytearray(memoryview(area)[start:length]), 0
+    else:
+        payload = area
+    arrays = {desc.name: np.ndarray(desc.shape, WIRE_DTYPES[desc.dtype], buffer=payload, offset=start + desc.offset)
               for desc in frame.tensors}
     return frame, arrays
 

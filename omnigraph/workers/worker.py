@@ -136,16 +136,18 @@ class GraphWorker:
             return None
         arrays = wire.read_payload(self._sock, frame)
         if frame.type == "close":
-            self._reply(frame, "closing")
+            self._send("closing", frame)
             return EXIT_OK
         self._dispatch(frame, arrays)
         return None
 
     def _serve_mailbox_frame(self, mailbox: Mailbox, length: int) -> None:
         """Read and answer the frame in the mailbox (self-contained: a refused one leaves the
-        socket's stream as it was)."""
+        socket's stream as it was). The inputs are read in place: the controller writes the area
+        again only after this answer, and nothing keeps them past it."""
         try:
-            frame, arrays = wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=self._route.max_io_bytes)
+            frame, arrays = wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=self._route.max_io_bytes,
+                                                   copy=False)
         except wire.WireError as exc:
             self._counters["refused_frames"] += 1
             self._send_error(None, exc.code, str(exc))
@@ -174,7 +176,7 @@ class GraphWorker:
             elif frame.type == "load":
                 self._load(frame)
             elif frame.type == "stats":
-                self._reply(frame, "stats_result", body=self._stats())
+                self._send("stats_result", frame, body=self._stats())
             else:
                 raise RemoteError("unexpected_message", f"a worker does not accept {frame.type!r} messages")
         except LoadRefused as exc:
@@ -193,7 +195,7 @@ class GraphWorker:
             self._counters["failed_runs" if exc.code == "run_failed" else "refused_runs"] += 1
             raise
         try:
-            self._reply(frame, "result", tensors=outputs)
+            self._send("result", frame, tensors=outputs)
         except wire.WireError as exc:  # refused before anything was sent (e.g. too large): the stream is intact
             self._counters["failed_runs"] += 1
             self._send_error(frame, "outputs_not_sent", f"{exc.code}: {exc}")
@@ -205,7 +207,7 @@ class GraphWorker:
         self._counters["loads"] += 1
         session, report = load_session(manifest_path, self._route)
         self._session, self._manifest_sha256 = session, report.manifest_sha256
-        self._reply(frame, "loaded", body=report.to_dict())
+        self._send("loaded", frame, body=report.to_dict())
 
     def _stats(self) -> dict[str, Any]:
         stats: dict[str, Any] = procfs.memory_status()
@@ -216,22 +218,18 @@ class GraphWorker:
         stats["device_memory"] = _device_memory(self._route.device_id) if self._route.ep != "cpu" else None
         return stats
 
-    def _reply(self, frame: wire.Frame, msg_type: str, *, body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None) -> None:
-        self._send(msg_type, request_id=frame.request_id, stage_id=frame.stage_id, epoch=frame.epoch, body=body,
-                   tensors=tensors, binary=frame.binary)
-
     def _send_error(self, frame: wire.Frame | None, code: str, message: str, **extra: Any) -> None:
-        body = {"code": code, "message": message, **extra}
-        if frame is None:
-            self._send("error", body=body)
-        else:
-            self._reply(frame, "error", body=body)
+        self._send("error", frame, body={"code": code, "message": message, **extra})
 
-    def _send(self, msg_type: str, *, request_id: str = "", stage_id: int = 0, epoch: int = 0,
-              body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None,
-              binary: bool = False) -> None:
-        """Send one message (mailbox.send_message): once the hello is out, through the mailbox where
-        it fits, and announced on the controller's doorbell either way."""
+    def _send(self, msg_type: str, answering: wire.Frame | None = None, *, body: Mapping[str, Any] | None = None,
+              tensors: Mapping[str, np.ndarray] | None = None) -> None:
+        """Send one message (mailbox.send_message), as the answer to ``answering`` (its request id,
+        stage, epoch and kind of header) or on its own: once the hello is out, through the mailbox
+        where it fits, and announced on the controller's doorbell either way."""
+        if answering is None:
+            request_id, stage_id, epoch, binary = "", 0, 0, False
+        else:
+            request_id, stage_id, epoch, binary = answering.request_id, answering.stage_id, answering.epoch, answering.binary
         send_message(
             self._sock, self._mailbox if self._announcing else None, msg_type, request_id=request_id,
             stage_id=stage_id, epoch=epoch, generation=self._generation, instance=self._instance, body=body,

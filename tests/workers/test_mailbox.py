@@ -53,6 +53,15 @@ def test_a_frame_in_the_mailbox_reads_back_as_sent():
     np.testing.assert_array_equal(arrays["x"], tensors["x"])  # the reader's arrays own their bytes
 
 
+def test_a_frame_read_in_place_views_the_area_until_it_is_written_again():
+    mailbox = Mailbox.create(64 * 1024)
+    length = write(mailbox.outbox, {"x": np.arange(6, dtype=np.int64).reshape(2, 3)})
+    _, arrays = wire.read_binary_frame(mailbox.outbox, length, max_payload_bytes=CAP, copy=False)
+    np.testing.assert_array_equal(arrays["x"], [[0, 1, 2], [3, 4, 5]])
+    write(mailbox.outbox, {"x": np.full((2, 3), 9, np.int64)})
+    np.testing.assert_array_equal(arrays["x"], np.full((2, 3), 9))  # no copy: the worker answers first
+
+
 def test_the_mailbox_frame_is_the_socket_frame_byte_for_byte():
     mailbox = Mailbox.create(64 * 1024)
     tensors = {"x": np.arange(5, dtype=np.float32)}
