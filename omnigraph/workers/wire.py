@@ -184,6 +184,7 @@ _NUMPY_TO_WIRE = {dtype: name for name, dtype in WIRE_DTYPES.items() if name != 
 _DTYPE_NAMES = tuple(WIRE_DTYPES)  # binary dtype code -> wire name
 _DTYPE_CODES = {name: code for code, name in enumerate(_DTYPE_NAMES)}
 _BINARY_FIXED = struct.Struct("<BBHHQQQ")
+_BINARY_HEAD = struct.Struct(PREFIX.format + _BINARY_FIXED.format[1:])  # a prefix and a fixed header, packed at once
 _BINARY_TENSOR = struct.Struct("<BBHQ")
 _BINARY_DIMS = tuple(struct.Struct(f"<{rank}Q") for rank in range(MAX_RANK + 1))
 _HEADER_KEYS = frozenset(
@@ -608,9 +609,9 @@ def _binary_head(msg_type: str, request_id: str, stage_id: int, epoch: int, gene
     header_len = _BINARY_FIXED.size + len(rid) + len(inst) + len(layout.section)
     if header_len > MAX_HEADER_BYTES:
         raise HeaderTooLarge(f"header of {header_len} bytes, at most {MAX_HEADER_BYTES}")
-    return b"".join((PREFIX.pack(MAGIC_BINARY, WIRE_VERSION, 0, header_len, layout.payload_nbytes, 0),
-                     _BINARY_FIXED.pack(_BINARY_TYPE_CODES[msg_type], len(layout.paddings), len(rid), len(inst),
-                                        stage_id, epoch, generation), rid, inst, layout.section))
+    return b"".join((_BINARY_HEAD.pack(MAGIC_BINARY, WIRE_VERSION, 0, header_len, layout.payload_nbytes, 0,
+                                       _BINARY_TYPE_CODES[msg_type], len(layout.paddings), len(rid), len(inst),
+                                       stage_id, epoch, generation), rid, inst, layout.section))
 
 
 def _encode_binary(msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
@@ -904,7 +905,8 @@ def _read_binary_header(header: bytes, payload_len: int, max_payload_bytes: int,
     instance, tensors, inline_total = checked
     if inline_total != payload_len:
         raise ByteLengthMismatch(f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)")
-    _check_ids(stage_id, epoch, generation)
+    if stage_id > MAX_INT or epoch > MAX_INT or generation > MAX_INT:  # unsigned: only the top can be out
+        _check_ids(stage_id, epoch, generation)
     return Frame(BINARY_MESSAGE_TYPES[type_code - 1], request_id, stage_id, epoch, generation, instance, (), tensors, {},
                  payload_len, (), True)
 
