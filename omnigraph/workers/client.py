@@ -221,7 +221,7 @@ class WorkerClient:
         """Load a bundle (verified again inside the worker), warm it up and check its placement.
 
         Raises LoadRefused (bundle_invalid, load_failed) or PlacementRefused (``.report``)."""
-        with self._call():
+        with _OneCall(self):
             _, body, _ = self._send_and_receive(
                 "load", expect="loaded", body={"manifest_path": os.fspath(manifest_path)}, timeout=timeout
             )
@@ -238,7 +238,7 @@ class WorkerClient:
         timeout: float | None = None,
     ) -> dict[str, np.ndarray]:
         """One forward call; blocking, one in flight (a second concurrent call: WorkerBusy)."""
-        with self._call():
+        with _OneCall(self):
             if epoch < self._min_epoch:
                 raise wire.StaleEpoch(f"epoch {epoch} is below the fenced epoch {self._min_epoch}")
             frame, _, arrays = self._send_and_receive(
@@ -263,16 +263,12 @@ class WorkerClient:
 
     def stats(self, *, timeout: float | None = 10.0) -> dict[str, Any]:
         """RSS, peak RSS, device memory (where available) and call counters of the worker."""
-        with self._call():
+        with _OneCall(self):
             _, body, _ = self._send_and_receive("stats", expect="stats_result", timeout=timeout)
         return body
 
     # ------------------------------------------------------------------------------------------
     # Plumbing
-
-    def _call(self) -> _OneCall:
-        """The guard every call runs under: one in flight (a second: WorkerBusy), none once closed."""
-        return _OneCall(self)
 
     def _send(self, msg_type: str, *, request_id: str = "", stage_id: int = 0, epoch: int | None = None,
               body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None,
@@ -360,8 +356,9 @@ class WorkerClient:
 
 
 class _OneCall:
-    """WorkerClient._call's guard: a plain class rather than a generator, since every call enters
-    one (made per call, so the client holds no reference back to itself)."""
+    """The guard every call runs under: one in flight (a second: WorkerBusy), none once closed. A
+    plain class rather than a generator, since every call enters one (made per call, so the client
+    holds no reference back to itself)."""
 
     __slots__ = ("_client",)
 

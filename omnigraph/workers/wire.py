@@ -675,8 +675,9 @@ def read_binary_frame(area: mmap.mmap, length: int, *, max_payload_bytes: int,
         payload, start = bytearray(memoryview(area)[start:length]), 0
     else:
         payload = area
-    arrays = {desc.name: np.ndarray(desc.shape, WIRE_DTYPES[desc.dtype], buffer=payload, offset=start + desc.offset)
-              for desc in frame.tensors}
+    arrays = {}  # a loop, not a comprehension: one frame fewer per message before Python 3.12
+    for desc in frame.tensors:
+        arrays[desc.name] = np.ndarray(desc.shape, WIRE_DTYPES[desc.dtype], buffer=payload, offset=start + desc.offset)
     return frame, arrays
 
 
@@ -867,17 +868,6 @@ def _check_shape_and_nbytes(name: str, dtype: str, shape: tuple[Any, ...], nbyte
         raise ByteLengthMismatch(f"tensor {name!r}: nbytes {nbytes!r} but shape {list(shape)} of {dtype} is {expected} bytes")
 
 
-def _parse_binary_header(header: bytes | bytearray, payload_len: int, max_payload_bytes: int, fd_count: int) -> Frame:
-    """Validate a binary header (layout in the module docstring), like _parse_header does a JSON one."""
-    try:
-        return _read_binary_header(bytes(header), payload_len, max_payload_bytes, fd_count)
-    except WireError as exc:
-        exc.pending_payload_bytes = payload_len
-        raise
-    except (struct.error, UnicodeDecodeError) as exc:
-        raise MalformedHeader(f"binary header unreadable: {exc}", pending_payload_bytes=payload_len) from None
-
-
 def _binary_text(header: bytes, start: int, length: int, what: str) -> str:
     end = start + length
     if end > len(header):
@@ -888,25 +878,33 @@ def _binary_text(header: bytes, start: int, length: int, what: str) -> str:
     return text
 
 
-def _read_binary_header(header: bytes, payload_len: int, max_payload_bytes: int, fd_count: int) -> Frame:
-    if fd_count:
-        raise BadShmReference(f"{fd_count} descriptors came with a binary-header frame, which carries tensors inline only")
-    type_code, count, id_length, instance_length, stage_id, epoch, generation = _BINARY_FIXED.unpack_from(header)
-    if not 1 <= type_code <= len(BINARY_MESSAGE_TYPES):
-        raise MalformedHeader(f"binary message type {type_code} is not one of 1 (run), 2 (result)")
-    request_id = _binary_text(header, _BINARY_FIXED.size, id_length, "request id")
-    tail = (header[_BINARY_FIXED.size + id_length:], count, instance_length, max_payload_bytes)
-    checked = _checked_tails.get(tail)
-    if checked is None:
-        checked = _checked_tail(*tail)
-        if len(_checked_tails) >= _CHECKED_TAILS_MAX:
-            _checked_tails.clear()
-        _checked_tails[tail] = checked
-    instance, tensors, inline_total = checked
-    if inline_total != payload_len:
-        raise ByteLengthMismatch(f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)")
-    if stage_id > MAX_INT or epoch > MAX_INT or generation > MAX_INT:  # unsigned: only the top can be out
-        _check_ids(stage_id, epoch, generation)
+def _parse_binary_header(header: bytes | bytearray, payload_len: int, max_payload_bytes: int, fd_count: int) -> Frame:
+    """Validate a binary header (layout in the module docstring), like _parse_header does a JSON one."""
+    try:
+        if fd_count:
+            raise BadShmReference(f"{fd_count} descriptors came with a binary-header frame, which carries tensors inline only")
+        header = bytes(header)  # a bytearray off the socket: its slices must hash
+        type_code, count, id_length, instance_length, stage_id, epoch, generation = _BINARY_FIXED.unpack_from(header)
+        if not 1 <= type_code <= len(BINARY_MESSAGE_TYPES):
+            raise MalformedHeader(f"binary message type {type_code} is not one of 1 (run), 2 (result)")
+        request_id = _binary_text(header, _BINARY_FIXED.size, id_length, "request id")
+        tail = (header[_BINARY_FIXED.size + id_length:], count, instance_length, max_payload_bytes)
+        checked = _checked_tails.get(tail)
+        if checked is None:
+            checked = _checked_tail(*tail)
+            if len(_checked_tails) >= _CHECKED_TAILS_MAX:
+                _checked_tails.clear()
+            _checked_tails[tail] = checked
+        instance, tensors, inline_total = checked
+        if inline_total != payload_len:
+            raise ByteLengthMismatch(f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)")
+        if stage_id > MAX_INT or epoch > MAX_INT or generation > MAX_INT:  # unsigned: only the top can be out
+            _check_ids(stage_id, epoch, generation)
+    except WireError as exc:
+        exc.pending_payload_bytes = payload_len
+        raise
+    except (struct.error, UnicodeDecodeError) as exc:
+        raise MalformedHeader(f"binary header unreadable: {exc}", pending_payload_bytes=payload_len) from None
     return Frame(BINARY_MESSAGE_TYPES[type_code - 1], request_id, stage_id, epoch, generation, instance, (), tensors, {},
                  payload_len, (), True)
 
