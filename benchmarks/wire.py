@@ -236,8 +236,7 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                         break
                     arrays = wire.read_payload(theirs, frame)
                 elif transport == "mailbox":
-                    mailbox.wait(SPIN_WAIT_US, None, theirs)
-                    if not (length := mailbox.inbox_frame()):  # the parent's last message: it is done
+                    if not (length := mailbox.receive(SPIN_WAIT_US, None, theirs)):  # the parent's last message: done
                         break
                     frame, arrays = wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=limit)
                 elif transport == "minimal":
@@ -290,8 +289,7 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                 mailbox.announce(wire.write_binary_frame(mailbox.outbox, "run", request_id="", stage_id=0, epoch=1,
                                                          generation=1, instance="", tensors=tensors,
                                                          max_payload_bytes=limit))
-                mailbox.wait(SPIN_WAIT_US, None, ours)
-                wire.read_binary_frame(mailbox.inbox, mailbox.inbox_frame(), max_payload_bytes=limit)
+                wire.read_binary_frame(mailbox.inbox, mailbox.receive(SPIN_WAIT_US, None, ours), max_payload_bytes=limit)
             elif transport == "minimal":
                 framing.send(tensors)
                 wait()

@@ -324,9 +324,10 @@ class WorkerClient:
         if mailbox is None:
             self._wait_for_reply()
         else:
-            if not mailbox.wait(self.route.spin_wait_us, deadline, self._sock):
+            length = mailbox.receive(self.route.spin_wait_us, deadline, self._sock)
+            if length is None:
                 raise socket.timeout("no reply before the deadline")
-            if length := mailbox.inbox_frame():
+            if length:
                 return wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=self.route.max_io_bytes)
             if deadline is not None:  # the doorbell's wait spent part of it
                 self._set_timeout(deadline)

@@ -32,8 +32,8 @@ higher, so a frame written while an earlier post is taken is never mistaken for 
 sem_trywait order the memory around them). So the doorbell is the only thing a side waits on: it
 polls it (``spin_us``), then sleeps on it in slices of PEER_CHECK_S, checking between slices
 whether the peer's socket hung up (a dead peer never posts). The areas need no lock: the
-controller has one call in flight, so each area has one writer at a time, and the reader copies a
-frame out before it answers. Fences travel through the socket and are posted like any message;
+controller has one call in flight, so each area has one writer at a time, and the reader is done
+with a frame (copied out, or used in place) before it answers. Fences travel through the socket and are posted like any message;
 they are never answered.
 """
 
@@ -193,34 +193,33 @@ class Mailbox:
         if self._libc.sem_post(self._peer_bell):
             raise OSError(ctypes.get_errno(), f"sem_post: {os.strerror(ctypes.get_errno())}")
 
-    def inbox_frame(self) -> int:
-        """After ``wait``: the length of the frame in the inbox that the post just taken
-        announced, or 0 when that message is on the socket."""
-        number, length = _SLOT.unpack_from(self._control, self._in_slot)
-        return length if number == self._taken else 0
-
-    def wait(self, spin_us: int, deadline: float | None, peer: socket.socket) -> bool:
-        """Take one post of this side's doorbell: True; False once ``deadline`` (time.monotonic)
-        has passed. Polls for up to ``spin_us`` first (yielding the CPU every SPIN_YIELD_S), then sleeps.
-        Raises PeerClosed when the peer's socket hangs up with nothing posted."""
-        if self._take(spin_us, deadline, peer):
-            self._taken += 1
-            return True
-        return False
-
-    def _take(self, spin_us: int, deadline: float | None, peer: socket.socket) -> bool:
+    def receive(self, spin_us: int, deadline: float | None, peer: socket.socket) -> int | None:
+        """Take one post of this side's doorbell and say where its message is: the length of the
+        frame in the inbox, or 0 when the message is on the socket; None once ``deadline``
+        (time.monotonic) has passed with no post. Polls for up to ``spin_us`` first (yielding the
+        CPU every SPIN_YIELD_S), then sleeps. Raises PeerClosed when the peer's socket hangs up with
+        nothing posted."""
         trywait, bell = self._libc.sem_trywait, self._bell
-        if trywait(bell) == 0:
-            return True
-        if spin_us:
+        if trywait(bell):
             now = time.perf_counter()
             end, next_yield = now + spin_us / 1e6, now + SPIN_YIELD_S
             while (now := time.perf_counter()) < end:
                 if trywait(bell) == 0:
-                    return True
+                    break
                 if now >= next_yield:
                     os.sched_yield()
                     next_yield = now + SPIN_YIELD_S
+            else:  # no post while polling
+                if not self._sleep_for_post(deadline, peer):
+                    return None
+        self._taken += 1
+        number, length = _SLOT.unpack_from(self._control, self._in_slot)
+        return length if number == self._taken else 0
+
+    def _sleep_for_post(self, deadline: float | None, peer: socket.socket) -> bool:
+        """Sleep on this side's doorbell until a post (True) or ``deadline`` (False), looking for a
+        hung-up peer between slices of PEER_CHECK_S."""
+        trywait, bell = self._libc.sem_trywait, self._bell
         hang_up = select.poll()
         hang_up.register(peer, 0)  # hang-ups and errors only
         while True:

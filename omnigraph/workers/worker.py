@@ -100,8 +100,7 @@ class GraphWorker:
                 if mailbox is None:
                     wait_for_message()
                 else:
-                    mailbox.wait(self._route.spin_wait_us, None, self._sock)
-                    length = mailbox.inbox_frame()
+                    length = mailbox.receive(self._route.spin_wait_us, None, self._sock)
                     if length:
                         self._serve_mailbox_frame(mailbox, length)
                         continue
