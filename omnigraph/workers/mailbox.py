@@ -33,8 +33,8 @@ sem_trywait order the memory around them). So the doorbell is the only thing a s
 polls it (``spin_us``), then sleeps on it in slices of PEER_CHECK_S, checking between slices
 whether the peer's socket hung up (a dead peer never posts). The areas need no lock: the
 controller has one call in flight, so each area has one writer at a time, and the reader is done
-with a frame (copied out, or used in place) before it answers. Fences travel through the socket and are posted like any message;
-they are never answered.
+with a frame (copied out, or used in place) before it answers. Fences travel through the socket
+and are posted like any message; they are never answered.
 """
 
 from __future__ import annotations

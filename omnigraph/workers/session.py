@@ -90,7 +90,7 @@ class GraphSession:
                     f"graph output {spec.name!r} is bfloat16, which onnxruntime's Python binding cannot return; cast it to float in the graph",
                 )
         self._input_wire = {spec.name: ONNX_TO_WIRE[spec.onnx_type] for spec in self.inputs}
-        # (name, wire dtype, declared shape) per input: what check_inputs walks on every call
+        # (name, wire dtype, declared shape) per input: what check_inputs walks for a new descriptor tuple
         self._input_checks = tuple((spec.name, self._input_wire[spec.name], spec.shape) for spec in self.inputs)
         self._bfloat16_inputs = "bfloat16" in self._input_wire.values()
         self._output_names = [spec.name for spec in self.outputs]

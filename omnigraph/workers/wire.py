@@ -671,13 +671,14 @@ def read_binary_frame(area: mmap.mmap, length: int, *, max_payload_bytes: int,
     if start + payload_len != length:
         raise ByteLengthMismatch(f"a frame of {start + payload_len} bytes announced as {length}")
     frame = _parse_binary_header(area[PREFIX_BYTES:start], payload_len, max_payload_bytes, 0)
-    if copy:
-        payload, start = bytearray(memoryview(area)[start:length]), 0
+    if copy:  # the payload alone, in the reader's own buffer
+        buffer, payload_offset = bytearray(memoryview(area)[start:length]), 0
     else:
-        payload = area
+        buffer, payload_offset = area, start
     arrays = {}  # a loop, not a comprehension: one frame fewer per message before Python 3.12
     for desc in frame.tensors:
-        arrays[desc.name] = np.ndarray(desc.shape, WIRE_DTYPES[desc.dtype], buffer=payload, offset=start + desc.offset)
+        arrays[desc.name] = np.ndarray(desc.shape, WIRE_DTYPES[desc.dtype], buffer=buffer,
+                                       offset=payload_offset + desc.offset)
     return frame, arrays
 
 
