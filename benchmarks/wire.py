@@ -238,7 +238,8 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
                 elif transport == "mailbox":
                     if not (length := mailbox.receive(SPIN_WAIT_US, None, theirs)):  # the parent's last message: done
                         break
-                    frame, arrays = wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=limit)
+                    frame, arrays = wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=limit,
+                                                           copy=False)  # in place, as the worker reads
                 elif transport == "minimal":
                     wait()
                     if (arrays := framing.receive()) is None:
