@@ -111,8 +111,8 @@ class Mailbox:
     and waits on its own doorbell and reads its inbox. Build it with ``create`` (the controller)
     or ``attach`` (the worker).
 
-    The mapping is never unmapped explicitly: a thread may still be waiting on a doorbell inside
-    it, so it lives as long as the Mailbox is referenced.
+    The mappings are never unmapped explicitly: a thread may still be waiting on a doorbell inside
+    one, so they live as long as the Mailbox is referenced.
     """
 
     def __init__(self, fd: int, area_bytes: int, *, controller: bool) -> None:
@@ -120,7 +120,6 @@ class Mailbox:
             self._libc = _libc()
         except (OSError, AttributeError) as exc:  # no libc, or one without POSIX semaphores
             raise MailboxUnavailable(f"no process-shared semaphores here: {exc}") from None
-        self.area_bytes = area_bytes
         span = _area_span(area_bytes)
         self._control = mmap.mmap(fd, _CONTROL_BYTES, mmap.MAP_SHARED)
         requests = mmap.mmap(fd, area_bytes, mmap.MAP_SHARED, offset=_CONTROL_BYTES)

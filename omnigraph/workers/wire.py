@@ -475,14 +475,9 @@ def encode_frame(
     _check_ids(stage_id, epoch, generation)
     tensors = tensors or {}
     if binary and not body and msg_type in BINARY_MESSAGE_TYPES:
-        layout = _binary_layout(tensors)
-        if layout is None:  # a value that is not an array yet
-            tensors = {name: np.asarray(value) for name, value in tensors.items()}
-            layout = _binary_layout(tensors)
+        tensors, layout = _arrays_and_layout(tensors)
         if layout.largest < shm_threshold_bytes:
-            if layout.payload_nbytes > max_payload_bytes:
-                raise PayloadTooLarge(f"tensors add up to {layout.payload_nbytes} bytes (64-byte aligned), "
-                                      f"more than {max_payload_bytes}")
+            _check_payload_fits(layout, max_payload_bytes)
             return _encode_binary(msg_type, request_id, stage_id, epoch, generation, instance, tensors, layout)
     if len(tensors) > MAX_TENSORS:
         raise TooManyTensors(f"{len(tensors)} tensors, at most {MAX_TENSORS}")
@@ -580,6 +575,21 @@ def _binary_layout(tensors: Mapping[str, np.ndarray]) -> _BinaryLayout | None:
     return layout
 
 
+def _arrays_and_layout(tensors: Mapping[str, Any]) -> tuple[Mapping[str, np.ndarray], _BinaryLayout]:
+    """The tensors as arrays (a value that is not one yet converted) and their binary layout."""
+    layout = _binary_layout(tensors)
+    if layout is None:
+        tensors = {name: np.asarray(value) for name, value in tensors.items()}
+        layout = _binary_layout(tensors)
+    return tensors, layout
+
+
+def _check_payload_fits(layout: _BinaryLayout, max_payload_bytes: int) -> None:
+    if layout.payload_nbytes > max_payload_bytes:
+        raise PayloadTooLarge(f"tensors add up to {layout.payload_nbytes} bytes (64-byte aligned), "
+                              f"more than {max_payload_bytes}")
+
+
 def _new_binary_layout(key: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -> _BinaryLayout:
     if len(key) > MAX_TENSORS:
         raise TooManyTensors(f"{len(key)} tensors, at most {MAX_TENSORS}")
@@ -636,13 +646,8 @@ def write_binary_frame(area: mmap.mmap, msg_type: str, *, request_id: str, stage
     if msg_type not in BINARY_MESSAGE_TYPES:
         raise MalformedHeader(f"the binary header carries run and result only, not {msg_type!r}")
     _check_ids(stage_id, epoch, generation)
-    layout = _binary_layout(tensors)
-    if layout is None:  # a value that is not an array yet
-        tensors = {name: np.asarray(value) for name, value in tensors.items()}
-        layout = _binary_layout(tensors)
-    if layout.payload_nbytes > max_payload_bytes:
-        raise PayloadTooLarge(f"tensors add up to {layout.payload_nbytes} bytes (64-byte aligned), "
-                              f"more than {max_payload_bytes}")
+    tensors, layout = _arrays_and_layout(tensors)
+    _check_payload_fits(layout, max_payload_bytes)
     head = _binary_head(msg_type, request_id, stage_id, epoch, generation, instance, layout)
     offset = len(head)
     end = offset + layout.payload_nbytes
@@ -1039,7 +1044,7 @@ class SpinWait:
             os.sched_yield()
 
 
-def _checked_prefix(buffer: bytes | memoryview, max_payload_bytes: int) -> tuple[bytes, int, int]:
+def _checked_prefix(buffer: bytes | mmap.mmap, max_payload_bytes: int) -> tuple[bytes, int, int]:
     """The magic, header length and payload length of the prefix at the start of ``buffer``, once
     every field is within bounds."""
     magic, version, flags, header_len, payload_len, reserved = PREFIX.unpack_from(buffer)
