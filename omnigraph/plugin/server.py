@@ -6,23 +6,47 @@ stopped. A pipeline that cannot start stops the server with `ServerStartupError`
 exits non-zero with the reason instead of serving 503s forever.
 
 Environment: `OMNIGRAPH_REQUEST_DEADLINE_S` (default 30) bounds each request, queueing included.
+
+Connections (`uvicorn_config`, `omnigraph.plugin.api.connections`), so that idle, slow or
+half-sent clients cannot lock good ones out:
+- `OMNIGRAPH_MAX_CONNECTIONS` (default: the open-file soft limit minus `RESERVED_FDS` minus
+  `BACKLOG`): past it, the connection that has waited longest for a request head is closed (503);
+  a value the file limit cannot hold is refused at startup.
+- `OMNIGRAPH_HEAD_TIMEOUT_S` (default 10): time to send a request head (408 after).
+- `OMNIGRAPH_BODY_TIMEOUT_S` (default 30): longest silence while sending a body (408 after).
+- `OMNIGRAPH_LINGER_S` (default 5): after an answer sent before its body was read (413), how long
+  the rest of the body is read and discarded so the client can read the answer.
+- uvicorn's own `timeout_keep_alive` (5 s between requests) and `backlog` (`BACKLOG`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+import resource
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
 from omnigraph.plugin.api.app import build_app
+from omnigraph.plugin.api.connections import ConnectionLimits, guarded_protocol_factory
 from omnigraph.plugin.api.service import DEFAULT_DEADLINE_S, DecisionService
 
 if TYPE_CHECKING:
     from omnigraph.stages.native_client import ServedEngine
 
 DEADLINE_ENV = "OMNIGRAPH_REQUEST_DEADLINE_S"
+
+#: Descriptors kept for everything but client connections: the listening socket, worker pipes and
+#: shared memory, bundle and log files (an idle demo server holds about 20).
+RESERVED_FDS = 64
+#: Connections the kernel may queue for accept; a burst of them is accepted before any is counted,
+#: so the connection bound leaves this many descriptors free as well (uvicorn's default is 2048).
+BACKLOG = 128
+HEAD_TIMEOUT_S = 10.0  # a request head is a few hundred bytes: ten seconds is generous
+BODY_TIMEOUT_S = 30.0  # silence while a body is being sent, as nginx's client_body_timeout
+LINGER_S = 5.0  # time to finish sending a body already refused, so the refusal can be read
+KEEP_ALIVE_S = 5  # uvicorn's default idle time between requests on one connection
 
 
 class ServerStartupError(RuntimeError):
@@ -41,6 +65,43 @@ def request_deadline_from_env() -> float:
     if not 0 < value < float("inf"):
         raise ValueError(f"{DEADLINE_ENV} must be positive and finite, got {raw!r}")
     return value
+
+
+def _positive_env(name: str, default: float) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be positive and finite, got {raw!r}")
+    return value
+
+
+def connection_limits_from_env() -> ConnectionLimits:
+    """The connection bound (derived from RLIMIT_NOFILE) and read deadlines, with env overrides."""
+    soft_limit, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    most = soft_limit - RESERVED_FDS - BACKLOG
+    if most < 1:
+        raise ValueError(f"the open-file limit {soft_limit} leaves no room for connections; raise `ulimit -n`")
+    max_connections = int(_positive_env("OMNIGRAPH_MAX_CONNECTIONS", most))
+    if max_connections > most:
+        raise ValueError(f"OMNIGRAPH_MAX_CONNECTIONS={max_connections} needs more than the open-file limit "
+                         f"{soft_limit} allows (at most {most}); raise `ulimit -n` or lower it")
+    return ConnectionLimits(max_connections=max_connections,
+                            head_timeout_s=_positive_env("OMNIGRAPH_HEAD_TIMEOUT_S", HEAD_TIMEOUT_S),
+                            body_timeout_s=_positive_env("OMNIGRAPH_BODY_TIMEOUT_S", BODY_TIMEOUT_S),
+                            linger_s=_positive_env("OMNIGRAPH_LINGER_S", LINGER_S))
+
+
+def uvicorn_config(app: Any, *, host: str, port: int) -> uvicorn.Config:
+    """uvicorn's settings: httptools under the connection limits, a bounded backlog."""
+    limits = connection_limits_from_env()
+    return uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+                          http=guarded_protocol_factory(limits),  # type: ignore[arg-type]
+                          backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_S)
 
 
 def served_model_name(model: str | None, deploy_config: str | None) -> str:
@@ -81,8 +142,7 @@ def serve(model: str | None, *, bundle: str | None, deploy_config: str | None, h
         server.should_exit = True
 
     app = build_app(service, on_startup_failure=stop_on_failure)
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, host=host, port=port))
     server.run()
     if failures:
         raise ServerStartupError(failures[0])

@@ -201,6 +201,8 @@ def _parse_choice(crit: Any, path: str, limits: RequestLimits) -> tuple[tuple[An
         raise RequestTooLarge(path, f"too many choice options ({len(crit)} > "
                                     f"{limits.max_choice_options})")
     labels = list(crit) if isinstance(crit, list) else list(crit.keys())
+    # A label is an answer key twice over: as a Python value (1, 1.0 and True are one dict key)
+    # and as the JSON object key it is printed as (1 and "1", true and "true" are one key there).
     first_index: dict[Any, int] = {}
     for i, label in enumerate(labels):
         where = f"{path}.{i}" if isinstance(crit, list) else f"{path}.{label}"
@@ -209,11 +211,13 @@ def _parse_choice(crit: Any, path: str, limits: RequestLimits) -> tuple[tuple[An
             raise RequestInvalid(where, f"a choice label is option text and the answer key, so it "
                                         f"must be a string, number or bool, got {label!r}")
         _refuse_surrogates(label, where)
-        if label in first_index:
-            raise RequestInvalid(where, f"label {label!r} repeats label {first_index[label]}; "
-                                        f"every option needs its own key (1, 1.0 and true are "
-                                        f"one key)")
-        first_index[label] = i
+        printed = _printed_key(label)
+        for key in (label, printed):
+            if key in first_index:
+                raise RequestInvalid(where, f"label {label!r} repeats label {first_index[key]} as an answer "
+                                            f"key (printed {printed!r}); every option needs its own key "
+                                            f"(1, 1.0, true, \"1\" and \"true\" collide)")
+        first_index[label] = first_index[printed] = i
     if isinstance(crit, list):
         return tuple(labels), tuple(str(label) for label in labels)
     options = []
@@ -223,6 +227,11 @@ def _parse_choice(crit: Any, path: str, limits: RequestLimits) -> tuple[tuple[An
         else:
             options.append(f"{label}: {_criterion_text(desc, f'{path}.{label}')}")
     return tuple(labels), tuple(options)
+
+
+def _printed_key(label: str | float) -> str:
+    """The JSON object key `label` becomes in `probabilities` (json.dumps writes non-string keys so)."""
+    return label if isinstance(label, str) else json.dumps(label)
 
 
 def _parse_score(crit: Any, path: str, limits: RequestLimits) -> tuple[str, ...]:

@@ -43,7 +43,9 @@ class ApiError(Exception):
 
     @classmethod
     def from_body_error(cls, error: BodyError) -> "ApiError":
-        return cls(error.status, error.message, code=error.code)
+        # An over-limit body is left unread: the connection cannot carry another request after it.
+        headers = {"Connection": "close"} if error.status == 413 else None
+        return cls(error.status, error.message, code=error.code, headers=headers)
 
 
 def decision_error_body(error: ApiError) -> dict[str, Any]:

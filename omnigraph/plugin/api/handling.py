@@ -4,9 +4,11 @@ stop work whose client has gone away."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any, Awaitable, TypeVar
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from omnigraph.plugin.api.body import BodyError, check_content_type, parse_strict_json, read_capped
 from omnigraph.plugin.api.errors import ApiError
@@ -15,6 +17,9 @@ from omnigraph.plugin.api.service import Decision
 T = TypeVar("T")
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; only ever logged
+
+# uvicorn writes no access line for a response it cannot send, so a hang-up gets its own line there.
+access_log = logging.getLogger("uvicorn.access")
 
 
 async def read_json(request: Request, max_bytes: int) -> Any:
@@ -25,6 +30,19 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         return parse_strict_json(raw)
     except BodyError as error:
         raise ApiError.from_body_error(error) from None
+    except ClientDisconnect:
+        raise client_went_away(request, "while sending its body") from None
+
+
+def client_went_away(request: Request, when: str) -> ApiError:
+    """Count a hang-up as a disconnect (not a server error), log one access line, and return the 499."""
+    request.app.state.metrics.disconnects.inc()
+    client = request.client
+    address = f"{client.host}:{client.port}" if client else "-"
+    access_log.info('%s - "%s %s HTTP/%s" %d', address, request.method, request.url.path,  # uvicorn's format
+                    request.scope.get("http_version", "1.1"), CLIENT_CLOSED_REQUEST)
+    return ApiError(CLIENT_CLOSED_REQUEST, f"the client disconnected {when}; the request was aborted",
+                    code="client_disconnected")
 
 
 async def run_decision(request: Request, prompt: dict, request_id: str) -> Decision:
@@ -58,5 +76,4 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
         await task
     except asyncio.CancelledError:
         pass
-    request.app.state.metrics.disconnects.inc()
-    raise ApiError(CLIENT_CLOSED_REQUEST, "the client disconnected; the request was aborted", code="client_disconnected")
+    raise client_went_away(request, "before its answer was ready")

@@ -41,6 +41,9 @@ from omnigraph.plugin.api.openai_protocol import (
 MAX_PROPERTIES = 32
 MAX_CHOICE_OPTIONS = 32
 MAX_SCORE_LEVELS = 10
+#: $ref expansions plus Optional unwraps per property: pydantic's deepest real shape needs 3 (an
+#: Optional of a $ref'd enum); the bound keeps a hostile chain of refs from costing unbounded work.
+MAX_SCHEMA_NESTING = 16
 LOGPROB_FLOOR = -9999.0
 
 SCHEMA_PARAM = "response_format.json_schema.schema"
@@ -78,20 +81,24 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     return request
 
 
-def _resolve_ref(param: str, prop: dict, root: dict, seen: tuple[str, ...]) -> tuple[dict, tuple[str, ...]]:
+def _resolve_ref(param: str, prop: dict, root: dict, seen: set[str]) -> dict:
+    """`prop` with its local `$ref` replaced by the named definition (the referrer's own keys win)."""
     ref = prop["$ref"]
+    if not isinstance(ref, str):
+        raise _unsupported(param, f"{param}: $ref must be a string")
     for prefix, key in (("#/$defs/", "$defs"), ("#/definitions/", "definitions")):
         defs = root.get(key)
-        if isinstance(ref, str) and ref.startswith(prefix) and isinstance(defs, dict) and ref[len(prefix):] in defs:
+        if ref.startswith(prefix) and isinstance(defs, dict) and ref[len(prefix):] in defs:
             if ref in seen:
-                raise _unsupported(param, f"{param}: $ref {ref!r} is recursive")
+                raise _unsupported(param, f"{param}: $ref {ref[:200]!r} is recursive")
+            seen.add(ref)
             target = defs[ref[len(prefix):]]
             if not isinstance(target, dict):
                 break
             merged = {k: v for k, v in target.items() if k != "description"}
             merged.update((k, v) for k, v in prop.items() if k != "$ref")
-            return merged, seen + (ref,)
-    raise _unsupported(param, f"{param}: $ref {ref!r} does not name an entry of this schema's $defs")
+            return merged
+    raise _unsupported(param, f"{param}: $ref {ref[:200]!r} does not name an entry of this schema's $defs")
 
 
 def _choice(param: str, name: str, values: Any, description: str | None) -> PropertyDecision:
@@ -131,20 +138,32 @@ def _score(param: str, name: str, prop: dict, description: str | None) -> Proper
     return PropertyDecision(name, "score", question, levels)
 
 
-def _property(param: str, name: str, prop: Any, root: dict, seen: tuple[str, ...] = ()) -> PropertyDecision:
-    if not isinstance(prop, dict):
-        raise _unsupported(param, f"{param}: must be a schema object")
-    while "$ref" in prop:
-        prop, seen = _resolve_ref(param, prop, root, seen)
-    description = prop.get("description")
-    if description is not None and not isinstance(description, str):
-        raise _unsupported(param, f"{param}: description must be a string")
-    branches = prop.get("anyOf") or prop.get("oneOf")
-    if branches is not None and not ({"type", "enum", "const"} & prop.keys()):
-        real = [b for b in branches if not (isinstance(b, dict) and b.get("type") == "null")]
+def _property(param: str, name: str, prop: Any, root: dict) -> PropertyDecision:
+    """Unwrap `$ref`s and Optional unions (at most `MAX_SCHEMA_NESTING` of them), then map the leaf."""
+    seen: set[str] = set()
+    for _ in range(MAX_SCHEMA_NESTING + 1):
+        if not isinstance(prop, dict):
+            raise _unsupported(param, f"{param}: must be a schema object")
+        if "$ref" in prop:
+            prop = _resolve_ref(param, prop, root, seen)
+            continue
+        description = prop.get("description")
+        if description is not None and not isinstance(description, str):
+            raise _unsupported(param, f"{param}: description must be a string")
+        branches = prop.get("anyOf") or prop.get("oneOf")
+        if branches is None or {"type", "enum", "const"} & prop.keys():
+            return _leaf(param, name, prop, description)
+        real = [b for b in branches if not (isinstance(b, dict) and b.get("type") == "null")] \
+            if isinstance(branches, list) else []
         if len(real) != 1 or not isinstance(real[0], dict):
             raise _unsupported(param, f"{param}: only Optional unions (one non-null branch) are supported")
-        return _property(param, name, {"description": description, **real[0]}, root, seen)
+        prop = {"description": description, **real[0]}
+    raise ApiError(400, f"{param}: more than {MAX_SCHEMA_NESTING} nested $ref / anyOf levels "
+                        f"(the limit is MAX_SCHEMA_NESTING = {MAX_SCHEMA_NESTING})",
+                   code="schema_too_deep", field=param)
+
+
+def _leaf(param: str, name: str, prop: dict, description: str | None) -> PropertyDecision:
     if "const" in prop:
         return _choice(param, name, [prop["const"]], description)
     if "enum" in prop:
@@ -153,7 +172,7 @@ def _property(param: str, name: str, prop: Any, root: dict, seen: tuple[str, ...
     if isinstance(kind, list):
         real_types = [t for t in kind if t != "null"]
         if len(real_types) != 1:
-            raise _unsupported(param, f"{param}: a union of types {kind} has no single option set")
+            raise _unsupported(param, f"{param}: a union of {len(real_types)} types has no single option set")
         kind = real_types[0]
     if kind == "boolean":
         return _noul(name, description)
@@ -167,7 +186,8 @@ def _property(param: str, name: str, prop: Any, root: dict, seen: tuple[str, ...
         raise _unsupported(param, f"{param}: nested objects are not supported; flatten the schema")
     if kind == "array":
         raise _unsupported(param, f"{param}: arrays are not supported; ask one property per element")
-    raise _unsupported(param, f"{param}: unsupported schema {json.dumps(prop)[:200]}")
+    shown = repr(kind[:100]) if isinstance(kind, str) else f"a {type(kind).__name__}"
+    raise _unsupported(param, f"{param}: unsupported schema (type {shown})")
 
 
 def plan_decisions(request: ChatCompletionRequest) -> tuple[PropertyDecision, ...]:
