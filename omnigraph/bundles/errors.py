@@ -29,3 +29,11 @@ class BundlePathUnsafe(BundleError):
 
 class ExternalDataOutsideBundle(BundleError):
     """An ONNX external-data reference points at a file outside the verified set."""
+
+
+class MemberInvalid(BundleError):
+    """A file does not parse as what its name says (an .npz archive, JSON, an ONNX graph)."""
+
+
+class BundleChanged(BundleError):
+    """A bundle's files changed on disk after it was verified (bundles/watch.py)."""

@@ -27,8 +27,14 @@ def graph_members(names: Iterable[str], graph_file: str) -> list[str]:
 
 def external_data_members(root: Path, graph_file: str, model: onnx.ModelProto) -> dict[str, str]:
     """Member name -> first tensor name, for every external-data file the graph root/graph_file reads."""
+    return {member: tensor for member, (_, tensor) in external_data_references(root, graph_file, model).items()}
+
+
+def external_data_references(root: Path, graph_file: str, model: onnx.ModelProto) -> dict[str, tuple[str, str]]:
+    """Member name -> (location as the graph writes it, first tensor name), for every external-data
+    file the graph root/graph_file reads."""
     graph_dir = posixpath.dirname(graph_file)
-    members: dict[str, str] = {}
+    members: dict[str, tuple[str, str]] = {}
     for tensor in iter_tensors(model):
         if tensor.data_location != onnx.TensorProto.EXTERNAL:
             continue
@@ -39,7 +45,7 @@ def external_data_members(root: Path, graph_file: str, model: onnx.ModelProto) -
             check_member_name(location, what=f"external data of tensor {tensor.name!r}")
         except BundlePathUnsafe as exc:
             raise ExternalDataOutsideBundle(f"{root / graph_file}: {exc}") from None
-        members.setdefault(posixpath.join(graph_dir, location), tensor.name)
+        members.setdefault(posixpath.join(graph_dir, location), (location, tensor.name))
     return members
 
 

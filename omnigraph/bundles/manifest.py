@@ -15,11 +15,17 @@ from pathlib import Path
 from typing import Any
 
 from omnigraph.bundles.errors import BundleError, BundleFileMissing, ManifestInvalid
-from omnigraph.bundles.hashing import is_sha256_hex
+from omnigraph.bundles.hashing import FileIdentity, is_sha256_hex
 from omnigraph.bundles.paths import MANIFEST_NAME, check_member_name
 from omnigraph.bundles.strict_json import loads_strict
 
 SCHEMA_VERSION = 1
+# Why: a manifest lists file names, hashes and small metadata (the Laya bundle's is under 8 KiB);
+# the limit stops an oversized one from costing gigabytes of parser memory before it is refused.
+MAX_MANIFEST_BYTES = 1 << 20
+# Why: the schema nests at most a few levels (metadata.layout holds small tables); deeper text is
+# refused before the recursive JSON parser runs.
+MAX_MANIFEST_DEPTH = 32
 PRECISIONS = ("fp32", "fp16", "bf16")
 _COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -171,9 +177,11 @@ def manifest_location(path: str | os.PathLike[str]) -> Path:
 
 def parse_manifest(data: bytes, *, source: str) -> Manifest:
     """Parse manifest.json bytes; errors start with `source` (the manifest's path)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ManifestInvalid(f"{source}: {len(data)} bytes, more than a manifest may hold ({MAX_MANIFEST_BYTES})")
     try:
         text = data.decode("utf-8")
-        document = loads_strict(text)
+        document = loads_strict(text, max_depth=MAX_MANIFEST_DEPTH)
     except ValueError as exc:  # also UnicodeDecodeError and JSONDecodeError
         raise ManifestInvalid(f"{source}: not valid JSON: {exc}") from None
     try:
@@ -185,7 +193,18 @@ def parse_manifest(data: bytes, *, source: str) -> Manifest:
 def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Parse and validate the manifest of a bundle folder (or a manifest.json) without checking files."""
     location = manifest_location(path)
-    return parse_manifest(location.read_bytes(), source=str(location))
+    return parse_manifest(read_manifest_bytes(location)[0], source=str(location))
+
+
+def read_manifest_bytes(path: Path) -> tuple[bytes, FileIdentity]:
+    """manifest.json's bytes and identity, refusing a file over MAX_MANIFEST_BYTES before reading it."""
+    with open(path, "rb") as handle:
+        status = os.fstat(handle.fileno())
+        if status.st_size > MAX_MANIFEST_BYTES:
+            raise ManifestInvalid(
+                f"{path}: {status.st_size} bytes, more than a manifest may hold ({MAX_MANIFEST_BYTES})"
+            )
+        return handle.read(MAX_MANIFEST_BYTES + 1), FileIdentity.of(status)
 
 
 def _field_names(cls: type) -> tuple[str, ...]:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import onnx
 
-from omnigraph.bundles.errors import BundleError
+from omnigraph.bundles.errors import MemberInvalid
 
 
 def load_graph_structure(path: Path) -> onnx.ModelProto:
@@ -20,7 +20,15 @@ def load_graph_structure(path: Path) -> onnx.ModelProto:
     try:
         return onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and onnx's own errors share no base class
-        raise BundleError(f"{path}: not a readable ONNX model: {exc}") from None
+        raise MemberInvalid(f"{path}: not a readable ONNX model: {exc}") from None
+
+
+def parse_graph_structure(data: bytes, *, source: Path) -> onnx.ModelProto:
+    """The ONNX model serialized in `data` (read from `source`), external weights not loaded."""
+    try:
+        return onnx.load_from_string(data)
+    except Exception as exc:  # as in load_graph_structure
+        raise MemberInvalid(f"{source}: not a readable ONNX model: {exc}") from None
 
 
 def iter_graphs(model: onnx.ModelProto) -> Iterator[onnx.GraphProto]:

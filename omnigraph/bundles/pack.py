@@ -15,6 +15,7 @@ from omnigraph.bundles.errors import BundleFileMissing, BundlePathUnsafe, Manife
 from omnigraph.bundles.external_data import check_external_data, graph_members
 from omnigraph.bundles.hashing import sha256_file
 from omnigraph.bundles.manifest import SCHEMA_VERSION, BundleMetadata, CustomOpsEntry, Manifest
+from omnigraph.bundles.members import check_member_format
 from omnigraph.bundles.onnx_graph import iter_tensors, load_graph_structure
 from omnigraph.bundles.paths import MANIFEST_NAME, check_member_name, scan_bundle_tree
 from omnigraph.bundles.verify import VerifiedBundle, verify_bundle
@@ -39,8 +40,9 @@ def pack_bundle(
     out: checkpoint_revision = the graph's sha256, precision inferred from the graph's float
     initializers, exporter = this packer, empty layout / calibration / validation. `custom_ops` is a
     CustomOpsEntry or a mapping of its fields (sha256 may be left out: it is the library file's).
-    The folder is refused, and nothing written, if it holds unsafe names, links out of it, or a
-    graph whose external data is not among its files. The manifest is replaced atomically and the
+    The folder is refused, and nothing written, if it holds unsafe names, links out of it, a
+    member that does not parse as its name says (bundles/members.py), or a graph whose external
+    data is not among its files. The manifest is replaced atomically and the
     result verified from disk.
     """
     root = Path(directory)
@@ -73,6 +75,8 @@ def pack_bundle(
     graphs = {member: load_graph_structure(root / member) for member in graph_members(names, graph_file)}
     for member, model in graphs.items():
         check_external_data(root, member, model, names)
+    for name in names:
+        check_member_format(root / name)
 
     files = {name: sha256_file(root / name, progress=progress) for name in names}
     defaults: dict[str, Any] = {

@@ -5,6 +5,7 @@ IOBinding on CUDA, one CUDA graph per input shape where the route enables them).
 
 from __future__ import annotations
 
+import io
 import os
 import tempfile
 import time
@@ -16,7 +17,8 @@ from typing import Mapping, NoReturn, Sequence
 import numpy as np
 import onnxruntime as ort
 
-from omnigraph.bundles import BundleError, VerifiedBundle, verify_bundle
+from omnigraph.bundles import BundleError, VerifiedBundle
+from omnigraph.bundles.loading import LoadedBundle, load_bundle
 from omnigraph.workers.errors import LoadRefused, PlacementRefused, RemoteError
 from omnigraph.workers.ops.loader import OpsLibraryError, custom_ops_library
 from omnigraph.workers.placement import PlacementReport, check_placement, placement_from_profile
@@ -234,8 +236,16 @@ class GraphSession:
 # Loading
 
 
-def _session_options(bundle: VerifiedBundle, route: WorkerRoute, profile_prefix: str | None, *, disable_cpu_fallback: bool) -> ort.SessionOptions:
+def _session_options(loaded: LoadedBundle, route: WorkerRoute, profile_prefix: str | None, *, disable_cpu_fallback: bool) -> ort.SessionOptions:
+    """Options whose external initializers are the verified bytes (ORT copies them while it builds
+    the session; the options keep pointers into `loaded`, so they must not outlive it)."""
+    bundle = loaded.bundle
     options = ort.SessionOptions()
+    if loaded.external_data:
+        locations = list(loaded.external_data)
+        options.add_external_initializers_from_files_in_memory(
+            locations, [np.frombuffer(loaded.external_data[name], np.uint8) for name in locations],
+            [len(loaded.external_data[name]) for name in locations])
     options.log_severity_level = 3  # errors only: the worker's stderr is its log
     if route.intra_op_num_threads is not None:
         options.intra_op_num_threads = route.intra_op_num_threads
@@ -249,11 +259,13 @@ def _session_options(bundle: VerifiedBundle, route: WorkerRoute, profile_prefix:
     return options
 
 
-def _create_session(bundle: VerifiedBundle, route: WorkerRoute, profile_prefix: str | None, *, disable_cpu_fallback: bool, notes: list[str]) -> ort.InferenceSession:
-    options = _session_options(bundle, route, profile_prefix, disable_cpu_fallback=disable_cpu_fallback)
+def _create_session(loaded: LoadedBundle, route: WorkerRoute, profile_prefix: str | None, *, disable_cpu_fallback: bool, notes: list[str]) -> ort.InferenceSession:
+    """A session built from the verified bytes in `loaded`, never from the files by path: a file
+    changed after verification cannot be what runs."""
+    options = _session_options(loaded, route, profile_prefix, disable_cpu_fallback=disable_cpu_fallback)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        session = ort.InferenceSession(str(bundle.graph_path), options, providers=_providers(bundle, route))
+        session = ort.InferenceSession(loaded.graph, options, providers=_providers(loaded.bundle, route))
     notes.extend(str(w.message) for w in caught)
     return session
 
@@ -269,10 +281,10 @@ def _providers(bundle: VerifiedBundle, route: WorkerRoute) -> list[tuple[str, di
     return providers
 
 
-def _example_inputs(bundle: VerifiedBundle) -> dict[str, np.ndarray] | None:
-    if bundle.example_inputs_path is None:
+def _example_inputs(loaded: LoadedBundle) -> dict[str, np.ndarray] | None:
+    if loaded.example_inputs is None:
         return None
-    with np.load(bundle.example_inputs_path, allow_pickle=False) as data:
+    with np.load(io.BytesIO(loaded.example_inputs), allow_pickle=False) as data:
         return {name: data[name] for name in data.files}
 
 
@@ -306,21 +318,24 @@ def _warmup_placement(session: ort.InferenceSession, graph: GraphSession, exampl
 
 def load_session(manifest_path: str, route: WorkerRoute) -> tuple[GraphSession, LoadReport]:
     """Verify the bundle again, build the session, warm up, and check the real placement; the
-    session returned is a profiler-free twin of the one whose placement was read.
+    session returned is a profiler-free twin of the one whose placement was read. Both sessions
+    are built from the bytes verification hashed (bundles/loading.py), which are dropped once the
+    twin is built.
 
     Raises LoadRefused (bundle_invalid, load_failed) or PlacementRefused. When the route forbids
     CPU, the session disables CPU fallback; if ORT then refuses to build it, a second, diagnostic
     session with fallback allowed is profiled so the refusal names the nodes that would fall back.
     """
     try:
-        bundle = verify_bundle(manifest_path)
+        loaded = load_bundle(manifest_path)
+        bundle = loaded.bundle
         custom_ops_library(bundle)  # the library's ABI and domain are this worker's, not only its hash
     except BundleError as exc:
         raise LoadRefused("bundle_invalid", str(exc)) from None
     except OpsLibraryError as exc:
         raise LoadRefused("bundle_invalid", f"custom-op library: {exc}") from None
     try:
-        example = _example_inputs(bundle)
+        example = _example_inputs(loaded)
     except (OSError, ValueError) as exc:
         raise LoadRefused("load_failed", f"example inputs {bundle.example_inputs_path}: {exc}") from None
     notes: list[str] = []
@@ -331,11 +346,11 @@ def load_session(manifest_path: str, route: WorkerRoute) -> tuple[GraphSession, 
         prefix = os.path.join(profile_dir, "warmup")
         forbid_cpu = "CPUExecutionProvider" not in route.allowed_providers
         try:
-            session = _create_session(bundle, route, prefix, disable_cpu_fallback=forbid_cpu, notes=notes)
+            session = _create_session(loaded, route, prefix, disable_cpu_fallback=forbid_cpu, notes=notes)
         except Exception as exc:  # ORT raises its own Fail/InvalidGraph/... classes
             if not (forbid_cpu and _FALLBACK_DISABLED in str(exc)):
                 raise LoadRefused("load_failed", f"onnxruntime could not build the session: {exc}") from None
-            _refuse_cpu_fallback(bundle, route, prefix, example, str(exc))
+            _refuse_cpu_fallback(loaded, route, prefix, example, str(exc))
         graph = GraphSession(session, route)
         try:
             placement = _warmup_placement(session, graph, example, route.target_provider)
@@ -346,8 +361,11 @@ def load_session(manifest_path: str, route: WorkerRoute) -> tuple[GraphSession, 
     check_placement(placement, route.allowed_providers, route.min_fraction_on_target)
     # Serve from a twin built without the profiler: a session that profiled once stays slower per
     # call after end_profiling (about 30 us at 4 KB, measured). Same options and providers, so ORT
-    # partitions it the same way; it is warmed on the same example inputs.
-    session = _create_session(bundle, route, None, disable_cpu_fallback=forbid_cpu, notes=[])
+    # partitions it the same way; it is warmed on the same example inputs. The profiled session
+    # goes first, and the verified bytes after: one copy of the weights beside the twin at most.
+    del session, graph
+    session = _create_session(loaded, route, None, disable_cpu_fallback=forbid_cpu, notes=[])
+    del loaded
     graph = GraphSession(session, route)
     if example is not None:
         try:
@@ -369,9 +387,9 @@ def load_session(manifest_path: str, route: WorkerRoute) -> tuple[GraphSession, 
     return graph, report
 
 
-def _refuse_cpu_fallback(bundle: VerifiedBundle, route: WorkerRoute, prefix: str, example: dict[str, np.ndarray] | None, ort_message: str) -> NoReturn:
+def _refuse_cpu_fallback(loaded: LoadedBundle, route: WorkerRoute, prefix: str, example: dict[str, np.ndarray] | None, ort_message: str) -> NoReturn:
     """ORT refused to build the session because nodes would fall back to CPU: find and name them."""
-    diagnostic = _create_session(bundle, route, prefix + "-diagnostic", disable_cpu_fallback=False, notes=[])
+    diagnostic = _create_session(loaded, route, prefix + "-diagnostic", disable_cpu_fallback=False, notes=[])
     placement = _warmup_placement(diagnostic, GraphSession(diagnostic, route), example, route.target_provider)
     check_placement(placement, route.allowed_providers, route.min_fraction_on_target)
     raise PlacementRefused("placement_refused", f"{ort_message} (the diagnostic run placed no node outside {list(route.allowed_providers)})", placement)
