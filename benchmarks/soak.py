@@ -47,6 +47,7 @@ import importlib.metadata
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -283,6 +284,7 @@ class Tally:
     answered: int = 0
     refused: collections.Counter = field(default_factory=collections.Counter)  # "503", "504"
     refused_without_retry_after: int = 0
+    reasons: collections.Counter = field(default_factory=collections.Counter)  # "503: queue full (...)"
     other_status: collections.Counter = field(default_factory=collections.Counter)
     lost: collections.Counter = field(default_factory=collections.Counter)  # by exception kind
     connect_failed: int = 0
@@ -398,6 +400,7 @@ async def client(index: int, server: Server, requests: list[dict], references: l
                 check_answer(tally, response, nonce, references[which])
             elif status in (503, 504):
                 tally.refused[str(status)] += 1
+                tally.reasons[f"{status}: {_reason(response)}"] += 1
                 retry_after = response.headers.get("retry-after")
                 if status == 503:
                     if retry_after is None:
@@ -409,6 +412,18 @@ async def client(index: int, server: Server, requests: list[dict], references: l
                             tally.refused_without_retry_after += 1
             else:
                 tally.other_status[str(status)] += 1
+                tally.reasons[f"{status}: {_reason(response)}"] += 1
+
+
+def _reason(response: httpx.Response) -> str:
+    """An error body's message with its numbers blanked, so refusals group by cause."""
+    try:
+        detail = response.json().get("detail")
+    except (ValueError, AttributeError):
+        detail = None
+    text = detail if isinstance(detail, str) else response.text
+    text = re.sub(r"\b(sys|req)-\S+", "ID", text)
+    return re.sub(r"\d+(\.\d+)?", "N", text)[:120]
 
 
 def _sample_peak(tally: Tally, server: Server) -> None:
@@ -484,8 +499,10 @@ def _identity(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any
             pass
     commit = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], check=False,
                             capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(HERE.parent), "status", "--porcelain", "--", "omnigraph"], check=False,
+                           capture_output=True, text=True).stdout.strip()
     return {"cpu": harness._device_name("cpu"), "cores": os.cpu_count(), "versions": versions,
-            "commit": commit or None, "load_average_1m": round(os.getloadavg()[0], 2),
+            "commit": commit or None, "uncommitted_engine_changes": bool(dirty), "load_average_1m": round(os.getloadavg()[0], 2),
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "command": " ".join(["benchmarks/soak.py", *(argv if argv is not None else sys.argv[1:])]),
             "config": {"clients": args.clients, "seconds": args.seconds, "kill_every_s": args.kill_every,
@@ -585,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
             ("load", "duplicated", tally.duplicated, "count"),
             ("load", "wrong", tally.wrong, "count"),
             *[("load", f"hangup_{kind}", n, "count") for kind, n in sorted(tally.hangups.items())],
+            *[("reason", reason, n, "count") for reason, n in tally.reasons.most_common()],
             ("faults", "worker_kills", tally.kills, "count"),
             ("faults", "worker_kills_skipped", tally.kills_skipped, "count"),
             ("faults", "worker_pids_seen", len(tally.workers_seen), "count"),
@@ -634,7 +652,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{identity['cores']} cores, {identity['date']}")
     print(f"{'case':<10} {'metric':<34} {'value':>10} unit")
     for case, metric, value, unit in rows:
-        print(f"{case:<10} {metric:<34} {value:>10} {unit}")
+        if case != "reason":
+            print(f"{case:<10} {metric:<34} {value:>10} {unit}")
+    for case, metric, value, _ in rows:
+        if case == "reason":
+            print(f"  {value:>6} x {metric}")
     for example in tally.wrong_examples:
         print(f"  {example}")
     if keep:
