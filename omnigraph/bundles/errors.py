@@ -33,7 +33,3 @@ class ExternalDataOutsideBundle(BundleError):
 
 class MemberInvalid(BundleError):
     """A file does not parse as what its name says (an .npz archive, JSON, an ONNX graph)."""
-
-
-class BundleChanged(BundleError):
-    """A bundle's files changed on disk after it was verified (bundles/watch.py)."""

@@ -2,7 +2,8 @@
 
 The shape follows vllm-omni's stage configs plus the graph keys of DESIGN.md "Stage plan". Every
 key is checked strictly (unknown keys, wrong types, missing manifests) and errors name the YAML
-path, e.g. ``stages[0].backend.route.ep``. ``base_config`` names another YAML merged under this
+path, e.g. ``stages[0].backend.route.ep``. Each file is read strictly (pipelines/strict_yaml.py:
+a bounded regular file, no aliases, no repeated key). ``base_config`` names another YAML merged under this
 one (stages merge by ``stage_id``). Relative paths resolve against the folder of the YAML that
 wrote them.
 
@@ -35,6 +36,7 @@ from omnigraph.pipelines.config import (
     StagePipelineConfig,
 )
 from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
+from omnigraph.pipelines.strict_yaml import StrictYamlError, read_yaml_file
 from omnigraph.workers.route import (
     DEFAULT_CUDA_GRAPH_MAX_ROWS, DEFAULT_MAILBOX_BYTES, DEFAULT_MAX_CUDA_GRAPHS, MAX_CUDA_GRAPHS_LIMIT, MAX_SPIN_WAIT_US,
     mailbox_bytes_problem,
@@ -49,6 +51,9 @@ DEFAULT_NATIVE_STARTUP_TIMEOUT_S = 600.0
 DEFAULT_MAX_QUEUED_REQUESTS = 32
 DEFAULT_MAX_RESTARTS = 5
 DEFAULT_RESTART_WINDOW_S = 60.0
+# Why: a changed bundle is reported within half a minute, and a stat-only check of a few files
+# every 30 s costs nothing measurable (bundles/watch.py re-hashes in full only now and then).
+DEFAULT_REVERIFY_INTERVAL_S = 30.0
 _DECLARATION_KEYS = ("model_stage", "execution_type", "input_sources", "final_output",
                      "final_output_type", "custom_process_input_func")
 
@@ -86,7 +91,9 @@ class RouteConfig(_Strict):
 
 
 class GraphBackendConfig(_Strict):
-    """A graph stage's backend: a verified ONNX bundle run by a worker on a route."""
+    """A graph stage's backend: a verified ONNX bundle run by a worker on a route.
+    `reverify_interval_s`: how often the served bundle is checked for changes on disk (0 or null:
+    never; it is verified at every worker start regardless)."""
 
     name: Literal["external.graph.v1"]
     manifest: Path
@@ -94,6 +101,7 @@ class GraphBackendConfig(_Strict):
     max_io_bytes: int | None = Field(default=None, gt=0)
     min_fraction_on_target: float = Field(default=1.0, ge=0.0, le=1.0)
     allowed_providers: list[str] | None = None
+    reverify_interval_s: float | None = Field(default=DEFAULT_REVERIFY_INTERVAL_S, ge=0.0, allow_inf_nan=False)
 
     @field_validator("manifest", mode="before")
     @classmethod
@@ -230,6 +238,14 @@ class StageDeployConfig(_Strict):
     def declares(self) -> bool:
         return any(getattr(self, key) is not None for key in _DECLARATION_KEYS)
 
+    @property
+    def reverify_interval_s(self) -> float | None:
+        """Seconds between re-verifications of a graph stage's bundle (bundles/watch.py); None when
+        off (`backend.reverify_interval_s` 0 or null) or for a stage without a graph bundle."""
+        if not isinstance(self.backend, GraphBackendConfig):
+            return None
+        return self.backend.reverify_interval_s or None
+
 
 class DeployConfig(_Strict):
     """A whole deployment plan for one pipeline."""
@@ -354,11 +370,11 @@ def _read_merged(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if path in seen:
         raise DeployConfigError(f"base_config: cycle through {' -> '.join(str(p) for p in (*seen, path))}")
     try:
-        text = path.read_text(encoding="utf-8")
+        data = read_yaml_file(path)
     except OSError as exc:
         raise DeployConfigError(f"{path}: cannot read deploy YAML: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
+    except StrictYamlError as exc:
+        raise DeployConfigError(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         raise DeployConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
