@@ -14,8 +14,9 @@ restart budgets left at their defaults) with a `TMPDIR` of its own, so every wor
    answer delivered to the wrong request or twice is seen). A 503 is retried after its
    `Retry-After` (at most 1 s), as a well-behaved client would;
 3. meanwhile SIGKILLs one graph worker (a child of the server) every `--kill-every` seconds, and
-   lets `--hangup-fraction` of the requests hang up: half of them close the connection after the
-   whole body (mid-call, before the answer), half after half the body (mid-body);
+   lets `--hangup-fraction` of the requests hang up, each on one of the set's long requests: half
+   of them close the connection after the whole body (mid-call, up to 0.5 s later if no answer has
+   come), half after half the body (mid-body);
 4. samples the server's RSS, open fds and threads before and after the load, polls `/health`
    throughout, sends one request after the load, then stops the server with SIGTERM and counts the
    worker processes and `omnigraph-worker-*` folders left behind (and kills / removes them).
@@ -65,8 +66,9 @@ WORKER_MODULE = "omnigraph.workers.worker"
 WORKER_DIR_PREFIX = "omnigraph-worker-"
 NONCE_SEPARATOR = "@"
 MAX_RETRY_AFTER_SLEEP_S = 1.0
-MID_CALL_HANGUP_S = (0.002, 0.25)  # how long a mid-call hang-up waits for its answer before closing
+MID_CALL_HANGUP_S = (0.002, 0.5)  # how long a mid-call hang-up waits for its answer before closing
 MID_BODY_HANGUP_S = (0.0, 0.05)    # how long a mid-body hang-up holds its half body before closing
+LONG_QUESTIONS = 16                 # every eighth request of the set has 16-32 questions
 SETTLE_S = 3.0                      # after the load, before the end sample: let replacements start
 
 REPLICA_PLAN = """\
@@ -374,6 +376,9 @@ async def client(index: int, server: Server, requests: list[dict], references: l
             sequence += 1
             body = with_nonce(requests[which], nonce)
             if rng.random() < args.hangup_fraction:
+                # A hang-up takes one of the long requests (when the set has any): its call runs longest.
+                long_ones = [i for i, r in enumerate(requests) if len(r["questions"]) >= LONG_QUESTIONS]
+                body = with_nonce(requests[rng.choice(long_ones) if long_ones else which], nonce)
                 kind = "mid_call" if rng.random() < 0.5 else "mid_body"
                 await hang_up("127.0.0.1", server.port, body, kind, rng, tally)
                 continue
@@ -606,6 +611,7 @@ def main(argv: list[str] | None = None) -> int:
             ("faults", "worker_kills", tally.kills, "count"),
             ("faults", "worker_kills_skipped", tally.kills_skipped, "count"),
             ("faults", "worker_pids_seen", len(tally.workers_seen), "count"),
+            ("faults", "workers_replaced", len(tally.workers_seen) - workers_start, "count"),
             *[("faults", f"health_polls_{code}", n, "count") for code, n in sorted(tally.health.items())],
             ("after", "health_status", health_end, "http"),
             ("after", "ready_status", ready_end, "http"),
