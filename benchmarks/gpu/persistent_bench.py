@@ -1,0 +1,251 @@
+"""The persistent weight-streaming layer kernel against today's path, on the GPU (issue 19, step 1).
+
+For each row count M (batch-1 requests of 64 / 176 / 512 tokens) and Laya's 28 layers of
+full-size projections (Wqkv [3072x1024], Wo [1024x1024], Wi [5248x1024], Wo_mlp [1024x2624], BF16,
+28 distinct weights each so nothing stays in L2), GPU time per forward's projections by CUDA events
+over CUDA-graph replays:
+
+- `copy`: a 2 GiB device-to-device copy (bytes read + written): the measured HBM ceiling;
+- `cublas gemms`: the 112 projection GEMMs alone, F.linear (cuBLAS), as ORT's MatMul runs them;
+- `torch layer tail`: per layer Wo -> +residual -> LayerNorm -> Wi -> GeGLU -> Wo_mlp -> +residual ->
+  LayerNorm -> next Wqkv, as separate kernels (cuBLAS + torch elementwise), the op path of the
+  fast bundle without its attention;
+- `persistent x28`: the same chain through `persistent_layer.cu`, one launch per layer (28 launches,
+  the semantics an ORT op would have);
+- `persistent 1 launch`: all 28 layers in one launch (attention replaced by a stand-in: the next
+  layer's ctx is qkv[:, :1024]).
+
+Numerics: the kernel's outputs (residual FP32, qkv BF16) against a torch FP32 reference that rounds
+to BF16 where the kernel does (GEMM inputs), ||out - ref|| / ||ref||, for one layer and for the
+28-layer chain; outputs are poisoned with NaN first.
+
+    python3 benchmarks/gpu/persistent_bench.py --lib build/persistent/libpersistent.so \
+        [--rows 64 176 512] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import shlex
+import statistics
+import sys
+from pathlib import Path
+
+D, F, QKV, LAYERS = 1024, 2624, 3072, 28
+SHAPES = {"wo": (D, D), "wi": (2 * F, D), "wo_mlp": (D, F), "wqkv": (QKV, D)}
+PHASES = ("wo_gemm", "ln_mlp_rows", "wi_gemm", "geglu_rows", "wo_mlp_gemm", "ln_attn_rows", "wqkv_gemm",
+          "qkv_rows")
+WEIGHT_BYTES_PER_LAYER = 2 * sum(n * k for n, k in SHAPES.values())
+
+
+def pack(w):  # [N, K] -> the kernel's tile-contiguous layout (see persistent_layer.h)
+    n, k = w.shape
+    return w.reshape(n // 64, 8, 8, k // 32, 4, 8).permute(0, 3, 1, 2, 4, 5).contiguous()
+
+
+def timed_graph_us(run, replays: int = 20, repeats: int = 5) -> float:
+    import torch
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / replays * 1000.0)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lib", type=Path, required=True)
+    parser.add_argument("--rows", type=int, nargs="+", default=[64, 176, 512])
+    parser.add_argument("--kc", type=int, nargs="+", default=[0], help="K chunk per task (0 = the kernel's pick)")
+    parser.add_argument("--slots", type=int, default=0)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    import torch
+    import torch.nn.functional as fn
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    lib = ctypes.CDLL(str(args.lib))
+    lib.omnigraph_persistent_workspace_bytes.restype = ctypes.c_size_t
+    lib.omnigraph_persistent_workspace_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.omnigraph_persistent_error.restype = ctypes.c_char_p
+    lib.omnigraph_persistent_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float] + [
+        ctypes.c_void_p
+    ] * 7 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    identity = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": shlex.join(["python3", *sys.argv]),
+    }
+    rows_out: list[dict] = []
+
+    def record(case: str, m: int | None, metric: str, value: float, unit: str, **extra) -> None:
+        rows_out.append({"case": case, "rows": m, "metric": metric, "value": round(value, 4), "unit": unit,
+                         **extra, **identity})
+        print(f"{case:<34} M={m!s:>4} {metric:<22} {value:>12.4f} {unit}", flush=True)
+
+    # the HBM ceiling: a 2 GiB copy
+    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    copy_us = timed_graph_us(lambda: dst.copy_(src), replays=5, repeats=5)
+    copy_tbs = 2 * src.numel() * 2 / (copy_us * 1e-6) / 1e12
+    record("copy 2 GiB d2d", None, "bandwidth", copy_tbs, "TB/s")
+    del src, dst
+
+    weights = [{name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * (k ** -0.5)
+                for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
+    norms = [{"mlp": 1 + 0.1 * torch.randn(D, device="cuda"), "attn": 1 + 0.1 * torch.randn(D, device="cuda")}
+             for _ in range(LAYERS)]
+    packed = [{name: pack(w) for name, w in layer.items()} for layer in weights]
+    pointer_table = (ctypes.c_uint64 * (6 * LAYERS))()
+    for l in range(LAYERS):
+        for i, ptr in enumerate([packed[l][n].data_ptr() for n in SHAPES] + [norms[l]["mlp"].data_ptr(),
+                                                                              norms[l]["attn"].data_ptr()]):
+            pointer_table[6 * l + i] = ptr
+
+    def ref_layer(ctx, h, l):
+        w, nm = weights[l], norms[l]
+        h1 = h + ctx.float() @ w["wo"].float().T
+        x = (fn.layer_norm(h1, (D,), eps=1e-5) * nm["mlp"]).bfloat16()
+        u = x.float() @ w["wi"].float().T
+        g = (fn.gelu(u[:, :F]) * u[:, F:]).bfloat16()
+        out = h1 + g.float() @ w["wo_mlp"].float().T
+        y = (fn.layer_norm(out, (D,), eps=1e-5) * nm["attn"]).bfloat16()
+        return out, y.float() @ w["wqkv"].float().T
+
+    def rel(a, b) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    for m in args.rows:
+        ctx = torch.randn(m, D, device="cuda").bfloat16()
+        h = torch.randn(m, D, device="cuda")
+        h_out = torch.empty(m, D, device="cuda")
+        qkv = torch.empty(m, QKV, device="cuda", dtype=torch.bfloat16)
+        for kc in args.kc:
+            tag = f"kc={kc or 'auto'}"
+            ws = torch.zeros(lib.omnigraph_persistent_workspace_bytes(m, kc), dtype=torch.uint8, device="cuda")
+
+            def launch(layers: int, first: int = 0, kc=kc, ws=ws, ctx=ctx, h=h, h_out=h_out, qkv=qkv, m=m, trace=None):
+                table = ctypes.c_void_p(ctypes.addressof(pointer_table) + 8 * 6 * first)
+                err = lib.omnigraph_persistent_launch(m, layers, kc, 1e-5, ctx.data_ptr(), h.data_ptr(),
+                                                      h_out.data_ptr(), qkv.data_ptr(), table, ws.data_ptr(),
+                                                      torch.cuda.current_stream().cuda_stream, 0, args.slots,
+                                                      None if trace is None else trace.data_ptr())
+                if err:
+                    raise RuntimeError(f"launch failed: {lib.omnigraph_persistent_error(err).decode()}")
+
+            # numerics: one layer, then the 28-layer chain (stand-in attention)
+            for trial in range(2):
+                ctx.copy_(torch.randn(m, D, device="cuda").bfloat16())
+                h.copy_(torch.randn(m, D, device="cuda"))
+                h_out.fill_(float("nan"))
+                qkv.fill_(float("nan"))
+                launch(1, first=trial)
+                torch.cuda.synchronize()
+                ref_out, ref_qkv = ref_layer(ctx, h, trial)
+                finite = bool(torch.isfinite(h_out).all() and torch.isfinite(qkv).all())
+                record("persistent x1 numerics", m, f"rel_err_resid_t{trial}", rel(h_out, ref_out), "ratio",
+                       variant=tag, all_written=finite)
+                record("persistent x1 numerics", m, f"rel_err_qkv_t{trial}", rel(qkv, ref_qkv), "ratio", variant=tag)
+            h_out.fill_(float("nan"))
+            qkv.fill_(float("nan"))
+            launch(LAYERS)
+            torch.cuda.synchronize()
+            c, r = ctx, h
+            for l in range(LAYERS):
+                r, q = ref_layer(c, r, l)
+                c = q.bfloat16()[:, :D].contiguous()
+            record("persistent 1 launch numerics", m, "rel_err_resid_28", rel(h_out, r), "ratio", variant=tag,
+                   all_written=bool(torch.isfinite(h_out).all()))
+            record("persistent 1 launch numerics", m, "rel_err_qkv_28", rel(qkv, q), "ratio", variant=tag)
+
+            # where the time goes: when each (layer, phase) completed, from %globaltimer
+            trace = torch.zeros(1 + 8 * LAYERS, dtype=torch.int64, device="cuda")
+            launch(LAYERS, trace=trace)
+            torch.cuda.synchronize()
+            stamps = trace.cpu().tolist()
+            steps = [(stamps[i + 1] - stamps[i]) / 1000.0 for i in range(8 * LAYERS)]
+            for phase, name in enumerate(PHASES):
+                per = [steps[8 * l + phase] for l in range(1, LAYERS)]
+                record("persistent 1 launch trace", m, f"phase{phase}_{name}_us", statistics.mean(per), "us",
+                       variant=tag, first_layer=round(steps[phase], 2))
+            record("persistent 1 launch trace", m, "traced_total_us", (stamps[-1] - stamps[0]) / 1000.0, "us",
+                   variant=tag)
+
+            def chain28(launch=launch):
+                for l in range(LAYERS):
+                    launch(1, first=l)
+
+            for case, run in (("persistent x28 (1 layer/launch)", chain28),
+                              ("persistent 1 launch (28 layers)", lambda launch=launch: launch(LAYERS))):
+                us = timed_graph_us(run)
+                record(case, m, "forward_us", us, "us", variant=tag)
+                tbs = WEIGHT_BYTES_PER_LAYER * LAYERS / (us * 1e-6) / 1e12
+                record(case, m, "weight_stream", tbs, "TB/s", variant=tag, fraction_of_copy=round(tbs / copy_tbs, 3),
+                       fraction_of_4p8=round(tbs / 4.8, 3))
+
+        # today's path: cuBLAS GEMMs, and the layer tail as separate kernels
+        a_in = {D: ctx, F: torch.randn(m, F, device="cuda").bfloat16()}
+
+        def gemms():
+            for w in weights:
+                fn.linear(a_in[D], w["wqkv"]); fn.linear(a_in[D], w["wo"])
+                fn.linear(a_in[D], w["wi"]); fn.linear(a_in[F], w["wo_mlp"])
+
+        def tail():
+            for l, w in enumerate(weights):
+                h1 = h + fn.linear(ctx, w["wo"]).float()
+                x = fn.layer_norm(h1, (D,), weight=norms[l]["mlp"], eps=1e-5).bfloat16()
+                u = fn.linear(x, w["wi"])
+                g = fn.gelu(u[:, :F]) * u[:, F:]
+                out = h1 + fn.linear(g, w["wo_mlp"]).float()
+                y = fn.layer_norm(out, (D,), weight=norms[l]["attn"], eps=1e-5).bfloat16()
+                fn.linear(y, w["wqkv"])
+
+        for case, run in (("cublas gemms (112)", gemms), ("torch layer tail (28 layers)", tail)):
+            us = timed_graph_us(run)
+            record(case, m, "forward_us", us, "us")
+            tbs = WEIGHT_BYTES_PER_LAYER * LAYERS / (us * 1e-6) / 1e12
+            record(case, m, "weight_stream", tbs, "TB/s", fraction_of_copy=round(tbs / copy_tbs, 3),
+                   fraction_of_4p8=round(tbs / 4.8, 3))
+
+    print(f"\n{'case':<34} {'rows':>5} {'variant':>9} {'forward us':>11} {'TB/s':>7} {'of copy':>8}")
+    for row in rows_out:
+        if row["metric"] == "weight_stream":
+            us = next(r["value"] for r in rows_out if r["case"] == row["case"] and r["rows"] == row["rows"]
+                      and r["metric"] == "forward_us" and r.get("variant") == row.get("variant"))
+            print(f"{row['case']:<34} {row['rows']:>5} {row.get('variant', '-'):>9} {us:>11.1f} {row['value']:>7.2f}"
+                  f" {row['fraction_of_copy']:>8.3f}")
+    print(f"{identity['gpu']}, torch {identity['torch']}, CUDA {identity['cuda']}, {identity['date']}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(rows_out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
