@@ -17,8 +17,8 @@ restart budgets left at their defaults) with a `TMPDIR` of its own, so every wor
    lets `--hangup-fraction` of the requests hang up, each on one of the set's long requests: half
    of them close the connection after the whole body (mid-call, up to 0.5 s later if no answer has
    come), half after half the body (mid-body);
-4. samples the server's RSS, open fds and threads before and after the load, polls `/health`
-   throughout, sends one request after the load, then stops the server with SIGTERM and counts the
+4. samples the server's RSS, open fds and threads before and after the load, polls `/health` and
+   `/ready` throughout, sends one request after the load, then stops the server with SIGTERM and counts the
    worker processes and `omnigraph-worker-*` folders left behind (and kills / removes them).
 
 Lost: a request whose whole body was sent on a connection the client did not hang up, which got
@@ -438,7 +438,7 @@ def _sample_peak(tally: Tally, server: Server) -> None:
 
 
 async def injector(server: Server, stop_at: float, args: argparse.Namespace, tally: Tally) -> None:
-    """SIGKILL one worker every `--kill-every` s; poll /health and the server's resources meanwhile."""
+    """SIGKILL one worker every `--kill-every` s; poll /health, /ready and the server's resources meanwhile."""
     rng = random.Random(args.seed + 7)
     marker = str(server.tmpdir)
     next_kill = time.monotonic() + args.kill_every if args.kill_every > 0 else float("inf")
@@ -457,10 +457,11 @@ async def injector(server: Server, stop_at: float, args: argparse.Namespace, tal
                         tally.kills_skipped += 1
                 else:
                     tally.kills_skipped += 1
-            try:
-                tally.health[str((await http.get("/health")).status_code)] += 1
-            except httpx.HTTPError as exc:
-                tally.health[type(exc).__name__] += 1
+            for path in ("/health", "/ready"):
+                try:
+                    tally.health[f"{path[1:]}_{(await http.get(path)).status_code}"] += 1
+                except httpx.HTTPError as exc:
+                    tally.health[f"{path[1:]}_{type(exc).__name__}"] += 1
             await asyncio.sleep(0.5)
 
 
@@ -612,7 +613,7 @@ def main(argv: list[str] | None = None) -> int:
             ("faults", "worker_kills_skipped", tally.kills_skipped, "count"),
             ("faults", "worker_pids_seen", len(tally.workers_seen), "count"),
             ("faults", "workers_replaced", len(tally.workers_seen) - workers_start, "count"),
-            *[("faults", f"health_polls_{code}", n, "count") for code, n in sorted(tally.health.items())],
+            *[("faults", f"polls_{code}", n, "count") for code, n in sorted(tally.health.items())],
             ("after", "health_status", health_end, "http"),
             ("after", "ready_status", ready_end, "http"),
             ("after", "good_request_answered", good_after, "bool"),
