@@ -16,11 +16,16 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CACHE_ENV", "cache_key", "cache_root", "cached_folder"]
+__all__ = ["CACHE_ENV", "CacheUnwritable", "cache_key", "cache_root", "cached_folder"]
 
 CACHE_ENV = "OMNIGRAPH_CACHE"
 # Hex digits of the key's sha256 in a folder name: 64 bits, plenty for one machine's cache.
 KEY_DIGITS = 16
+
+
+class CacheUnwritable(OSError):
+    """A cache folder could not be built: the cache is read-only, full, or otherwise refused a
+    write. The message names the file and the operating system's reason."""
 
 
 def cache_root() -> Path:
@@ -41,9 +46,12 @@ def cached_folder(kind: str, name: str, key: Mapping[str, Any], build: Callable[
     """`$OMNIGRAPH_CACHE/<kind>/<name>-<cache_key(key)>`, built by `build(out)` the first time.
 
     `key` must hold everything the folder's bytes depend on (inputs, generator or exporter
-    versions), since a folder with that name is reused as it is. `build` writes the new folder
-    `out` atomically (through `staged_bundle_dir`), refusing an existing one; when it fails
-    because another process finished the same folder first, that folder is returned.
+    versions) and nothing about where files live (content hashes, not paths), since a folder with
+    that name is reused as it is, also from a cache copied elsewhere. An existing folder is
+    returned without any write, so a read-only cache serves what it holds. `build` writes the new
+    folder `out` atomically (through `staged_bundle_dir`), refusing an existing one; when it fails
+    because another process finished the same folder first, that folder is returned; any other
+    OSError (read-only, disk full) becomes CacheUnwritable naming the path and the cause.
     """
     for what, value in (("kind", kind), ("name", name)):
         if not isinstance(value, str) or not value or "/" in value or os.sep in value or value in (".", ".."):
@@ -53,9 +61,12 @@ def cached_folder(kind: str, name: str, key: Mapping[str, Any], build: Callable[
         return out
     try:
         build(out)
-    except OSError:
+    except OSError as exc:
         # A concurrent builder's rename onto `out` makes ours fail (FileExistsError, or ENOTEMPTY
         # when both rename at once); anything else is a real failure.
-        if not out.is_dir():
-            raise
+        if out.is_dir():
+            return out
+        where = exc.filename or out
+        raise CacheUnwritable(exc.errno, f"cannot build {out} in the cache (${CACHE_ENV}): {where}: "
+                                         f"{exc.strerror or exc}") from exc
     return out

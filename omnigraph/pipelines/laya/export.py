@@ -182,11 +182,12 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
 def cached_bundle(checkpoint: Path, *, precision: str = "fp32", fast: bool = False) -> Path:
     """The bundle of `checkpoint` at this precision, built once into the cache.
 
-    Keyed by the checkpoint folder, the variant and everything that shapes the export (exporter
-    version, torch and onnx), so a new exporter never serves a bundle an older one built.
+    Keyed by the checkpoint's content (not its path: a cache copied elsewhere is reused), the
+    variant and everything that shapes the export (exporter version, torch and onnx), so a new
+    exporter never serves a bundle an older one built.
     """
     checkpoint = Path(checkpoint)
-    key = {"checkpoint": str(checkpoint.resolve()), "precision": precision, "fast": fast,
+    key = {"checkpoint": checkpoint_content_sha256(checkpoint), "precision": precision, "fast": fast,
            "exporter": EXPORTER_VERSION, "torch": torch.__version__, "onnx": onnx.__version__}
     variant = f"{precision}-fast" if fast else precision
     return cached_folder("bundles", f"{checkpoint.name}-{variant}", key,
@@ -415,6 +416,11 @@ def checkpoint_revision(checkpoint: Path, agent_config: dict) -> str:
     revision = agent_config.get("revision")
     if isinstance(revision, str) and revision:
         return revision
+    return checkpoint_content_sha256(checkpoint)
+
+
+def checkpoint_content_sha256(checkpoint: Path) -> str:
+    """sha256 over the checkpoint's files (name and content hash of each), wherever it lives."""
     digest = hashlib.sha256()
     for name in CHECKPOINT_FILES:
         digest.update(f"{name}\0{sha256_file(checkpoint / name)}\n".encode())
