@@ -18,15 +18,19 @@ restart budgets left at their defaults) with a `TMPDIR` of its own, so every wor
    of them close the connection after the whole body (mid-call, up to 0.5 s later if no answer has
    come), half after half the body (mid-body);
 4. samples the server's RSS, open fds and threads before and after the load, polls `/health` and
-   `/ready` throughout, sends one request after the load, then stops the server with SIGTERM and counts the
-   worker processes and `omnigraph-worker-*` folders left behind (and kills / removes them).
+   `/ready` throughout, sends one request after the load, then stops the server with SIGTERM and
+   counts the worker processes and `omnigraph-worker-*` folders left behind (and kills / removes
+   them).
 
 Lost: a request whose whole body was sent on a connection the client did not hang up, which got
 no answer and no error status (a reset, a closed connection, or no answer within
 `--client-timeout`). Exit status 1 if any request was lost, duplicated or answered wrong.
 
-    .venv/bin/python benchmarks/soak.py --json /tmp/soak.json
+    .venv/bin/python benchmarks/soak.py --json benchmarks/results/soak-cpu.json
+    .venv/bin/python benchmarks/soak.py --replicas 1                   # plain `omnigraph serve`
     .venv/bin/python benchmarks/soak.py --seconds 5 --clients 4        # a smoke run
+
+Figures and the fault matrix they belong to: RELIABILITY.md.
 """
 
 from __future__ import annotations
@@ -582,14 +586,20 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(SETTLE_S)
         end = process_sample(server.process.pid) or {}
         workers_end = len(worker_pids(marker))
-        with httpx.Client(base_url=server.base, timeout=args.client_timeout) as http:
-            health_end = http.get("/health").status_code
-            ready_end = http.get("/ready").status_code
-            after = http.post(ROUTE, content=with_nonce(requests[0], "after"),
-                              headers={"content-type": "application/json"})
-            good_after = int(after.status_code == 200
-                             and strip_nonce(after.json(), NONCE_SEPARATOR + "after") == references[0])
-            metrics = http.get("/metrics").text
+        health_end = ready_end = -1  # -1: no answer (the server is gone)
+        good_after = 0
+        metrics = ""
+        try:
+            with httpx.Client(base_url=server.base, timeout=args.client_timeout) as http:
+                health_end = http.get("/health").status_code
+                ready_end = http.get("/ready").status_code
+                after = http.post(ROUTE, content=with_nonce(requests[0], "after"),
+                                  headers={"content-type": "application/json"})
+                good_after = int(after.status_code == 200
+                                 and strip_nonce(after.json(), NONCE_SEPARATOR + "after") == references[0])
+                metrics = http.get("/metrics").text
+        except httpx.HTTPError as exc:
+            print(f"soak: after the load: {type(exc).__name__}: {exc}", file=sys.stderr)
         exit_s, exit_code = stop_server(server, 30)
         time.sleep(0.5)
         left_pids = worker_pids(marker)
