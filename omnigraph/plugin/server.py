@@ -55,19 +55,11 @@ class ServerStartupError(RuntimeError):
 
 def request_deadline_from_env() -> float:
     """Seconds each request may take (queueing included), from `OMNIGRAPH_REQUEST_DEADLINE_S`."""
-    raw = os.environ.get(DEADLINE_ENV, "").strip()
-    if not raw:
-        return DEFAULT_DEADLINE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{DEADLINE_ENV} must be a number of seconds, got {raw!r}") from None
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{DEADLINE_ENV} must be positive and finite, got {raw!r}")
-    return value
+    return _positive_env(DEADLINE_ENV, DEFAULT_DEADLINE_S)
 
 
 def _positive_env(name: str, default: float) -> float:
+    """A positive, finite number from the environment variable `name`, or `default` when unset."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -101,7 +93,8 @@ def uvicorn_config(app: Any, *, host: str, port: int) -> uvicorn.Config:
     limits = connection_limits_from_env()
     return uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
                           http=guarded_protocol_factory(limits),  # type: ignore[arg-type]
-                          backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_S)
+                          backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_S,
+                          ws="none")  # no websocket routes: an upgrade header is a plain request
 
 
 def served_model_name(model: str | None, deploy_config: str | None) -> str:

@@ -28,6 +28,7 @@ from .http_server import metric_samples, open_descriptors, start_server
 FD_LIMIT = 1024
 IDLE_CLIENTS = 1100
 HEAD_TIMEOUT_S = 2
+BODY_TIMEOUT_S = 3
 BODY_LIMIT = 4 * 1024 * 1024
 ROUTES = ("/v1/systemone", "/v1/systemone/batch", "/v1/chat/completions")
 REFUND = {"state": "Please refund the duplicate charge.",
@@ -38,7 +39,7 @@ REFUND = {"state": "Please refund the duplicate charge.",
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("http-limits") / "server.log"
     process = start_server(log, fd_limit=FD_LIMIT, env={"OMNIGRAPH_HEAD_TIMEOUT_S": str(HEAD_TIMEOUT_S),
-                                                         "OMNIGRAPH_BODY_TIMEOUT_S": "5"})
+                                                         "OMNIGRAPH_BODY_TIMEOUT_S": str(BODY_TIMEOUT_S)})
     yield process
     process.stop()
 
@@ -97,6 +98,32 @@ def test_idle_partial_connections_neither_lock_out_good_clients_nor_stay_open(se
         for sock in idle:
             sock.close()
     assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+
+
+def _answer_then_close(sock: socket.socket, wait_s: float) -> bytes:
+    """Everything the server sends until it closes the connection (at most `wait_s` seconds)."""
+    sock.settimeout(wait_s)
+    received = b""
+    while chunk := sock.recv(65536):
+        received += chunk
+    return received
+
+
+def test_a_body_that_stops_arriving_gets_a_408_and_the_connection_closes(server: ServerProcess) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"state\": ")
+        answer = _answer_then_close(sock, BODY_TIMEOUT_S + 30)
+    assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert b"the request body stopped arriving" in answer
+
+
+def test_a_request_head_over_64_kib_is_431(server: ServerProcess) -> None:
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     + b"".join(b"X-Padding-%d: %s\r\n" % (i, b"p" * 1000) for i in range(100)) + b"\r\n")
+        answer = _answer_then_close(sock, 30)
+    assert answer.startswith(b"HTTP/1.1 431 "), answer[:200]
 
 
 def _chunks(total: int, size: int = 64 * 1024) -> Iterator[bytes]:

@@ -19,4 +19,7 @@ Errors: `{"detail": ..., "field"?: ...}` on decision routes (laya-serve's shape)
 Infinity, duplicate keys, lone surrogates, invalid UTF-8), 413 body over 4 MiB (counted while
 reading), 415 not JSON, 422 invalid request naming the field (400 on OpenAI routes), 503 not ready,
 queue full (Retry-After) or failed stage, 504 past the request deadline (queueing included).
+Under `omnigraph serve`, the connection itself (`connections`) answers 408 to a request head or
+body that stops arriving, 431 to a head over 64 KiB and 503 when too many connections are open; a
+client that hangs up is counted as a disconnect (499 in the access log and `/metrics`), not a 500.
 """

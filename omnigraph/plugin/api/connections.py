@@ -9,9 +9,10 @@ connection, one deadline at a time:
 - waiting for a request head (from accept, or from the previous response): `head_timeout_s`,
   then 408 and close; a head larger than `MAX_HEAD_BYTES` is a 431;
 - reading a body: `body_timeout_s` without a byte, then 408 and close;
-- after a response sent before its request body was read in full: the write side is shut
-  (the client sees the end of the answer), the rest of the body is discarded, and the connection
-  closes when the client does or after `linger_s`.
+- after a response sent before its request body was read in full (a 413, a 415): the rest of
+  the body is read and dropped for at most `linger_s`; a kept-alive connection then serves the
+  next request, and a `Connection: close` one shuts its write side first (the client reads the
+  whole answer) and closes when the client does or when `linger_s` is up.
 
 Past `max_connections` open connections, the one that has waited longest for a request head is
 closed (503): idle and half-sent connections give way to new clients instead of locking them out.
@@ -60,6 +61,10 @@ _HEAD_TOO_LARGE = _canned_response(431, "Request Header Fields Too Large",
 _SHED = _canned_response(503, "Service Unavailable", "too many open connections; retry", retry_after=1)
 
 
+class _HeadTooLarge(Exception):
+    """Raised from a parser callback to stop parsing a head over `MAX_HEAD_BYTES`."""
+
+
 class _CycleTransport:
     """What a request's response cycle writes through: its `close()` lingers while the body is unread."""
 
@@ -87,7 +92,8 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._limits = limits
         self._waiting = waiting
         self._deadline: asyncio.TimerHandle | None = None
-        self._head_bytes = 0
+        self._head_bytes = 0  # bytes received while waiting for the request head
+        self._parsed_head_bytes = 0  # bytes of the head's URL and headers, as parsed
         self._reading_body = False
         self._lingering = False
 
@@ -107,7 +113,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def _await_request(self) -> None:
-        self._head_bytes = 0
+        self._head_bytes = self._parsed_head_bytes = 0
         self._waiting[self] = None
         self._set_deadline(self._limits.head_timeout_s, partial(self._refuse, _HEAD_TIMEOUT))
 
@@ -136,41 +142,54 @@ class GuardedHttpProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._lingering:
             return  # the rest of a body already answered: discarded
+        if self in self._waiting:
+            self._head_bytes += len(data)
         super().data_received(data)
-        if self._head_bytes > MAX_HEAD_BYTES and self in self._waiting:
+        if self in self._waiting and self._head_bytes > MAX_HEAD_BYTES:  # a head still arriving
             self._refuse(_HEAD_TOO_LARGE)
 
     def on_url(self, url: bytes) -> None:
-        self._head_bytes += len(url)
+        self._parsed_head_bytes += len(url)
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_bytes += len(name) + len(value)
+        self._parsed_head_bytes += len(name) + len(value)
+        if self._parsed_head_bytes > MAX_HEAD_BYTES:  # a whole head that came in one read
+            raise _HeadTooLarge  # stops the parser; uvicorn then calls send_400_response
         super().on_header(name, value)
+
+    def send_400_response(self, msg: str) -> None:
+        if self._parsed_head_bytes > MAX_HEAD_BYTES:
+            self._refuse(_HEAD_TOO_LARGE)
+        else:
+            super().send_400_response(msg)
 
     def on_headers_complete(self) -> None:
         self._waiting.pop(self, None)
         self._reading_body = True
         self._set_deadline(self._limits.body_timeout_s, self._body_timed_out)
-        super().on_headers_complete()
+        super().on_headers_complete()  # always starts a cycle: the server speaks no upgrades (ws="none")
         self.cycle.transport = _CycleTransport(self)  # type: ignore[assignment]
 
     def on_body(self, body: bytes) -> None:
-        self._set_deadline(self._limits.body_timeout_s, self._body_timed_out)
+        if not self.cycle.response_complete:  # a body read after its answer keeps the linger deadline
+            self._set_deadline(self._limits.body_timeout_s, self._body_timed_out)
         super().on_body(body)
 
     def on_message_complete(self) -> None:
         self._reading_body = False
         self._set_deadline(None)
         super().on_message_complete()
+        if self.cycle.response_complete:  # the rest of an answered body is read: ready for the next
+            self._await_request()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._lingering:
             return
-        if self._reading_body:  # answered before its body was read: no further request can follow
-            self._unset_keepalive_if_required()
-            self.close_after_response()
+        if self._reading_body:  # answered early on a kept-alive connection: the rest of the body is
+            self._unset_keepalive_if_required()  # dropped as it comes, for at most `linger_s`
+            self._set_deadline(self._limits.linger_s, self.transport.close)
         elif self.cycle.response_complete:  # no pipelined request started
             self._await_request()
 
