@@ -526,6 +526,10 @@ def _identity(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any
                        "requests": args.requests, "seed": args.seed}}
 
 
+def good_after_load(rows: list[tuple[str, str, float, str]]) -> bool:
+    return any(case == "after" and metric == "good_request_answered" and value == 1 for case, metric, value, _ in rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=64, help="concurrent keep-alive clients")
@@ -664,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        keep = args.keep_log or not clean
+        keep = args.keep_log or not clean or not good_after_load(rows)
         shutil.rmtree(server.tmpdir, ignore_errors=True)
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -688,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([{"case": case, "metric": metric, "value": value, "unit": unit, **identity}
                                          for case, metric, value, unit in rows], indent=2) + "\n")
+    if rows and not good_after_load(rows):
+        print("soak: the server did not answer a good request after the load (see `after` above)", file=sys.stderr)
     if not clean:
         print("soak: FAILED (lost, duplicated or wrong answers above)", file=sys.stderr)
     return 0 if clean else 1
