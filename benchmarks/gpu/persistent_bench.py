@@ -80,6 +80,8 @@ def main() -> int:
     parser.add_argument("--kc", type=int, nargs="+", default=[0], help="K chunk per task (0 = the kernel's pick)")
     parser.add_argument("--slots", type=int, default=0)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--experiments", action="store_true",
+                        help="also time the 1-launch kernel without A loads / without mma (wrong results; where time goes)")
     args = parser.parse_args()
 
     import torch
@@ -93,12 +95,12 @@ def main() -> int:
     lib.omnigraph_persistent_error.restype = ctypes.c_char_p
     lib.omnigraph_persistent_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float] + [
         ctypes.c_void_p
-    ] * 7 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    ] * 7 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     identity = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python3", *sys.argv]),
     }
     rows_out: list[dict] = []
@@ -108,13 +110,17 @@ def main() -> int:
                          **extra, **identity})
         print(f"{case:<34} M={m!s:>4} {metric:<22} {value:>12.4f} {unit}", flush=True)
 
-    # the HBM ceiling: a 2 GiB copy
-    src = torch.empty(1 << 30, dtype=torch.int16, device="cuda").random_()
-    dst = torch.empty_like(src)
-    copy_us = timed_graph_us(lambda: dst.copy_(src), replays=5, repeats=5)
-    copy_tbs = 2 * src.numel() * 2 / (copy_us * 1e-6) / 1e12
-    record("copy 2 GiB d2d", None, "bandwidth", copy_tbs, "TB/s")
-    del src, dst
+    def copy_bandwidth(label: str) -> float:  # the HBM ceiling: a 2 GiB copy, bytes read + written
+        src = torch.randn(1 << 29, device="cuda")
+        dst = torch.empty_like(src)
+        for _ in range(20):  # let the clocks rise
+            dst.copy_(src)
+        copy_us = timed_graph_us(lambda: dst.copy_(src), replays=10, repeats=5)
+        tbs = 2 * src.numel() * 4 / (copy_us * 1e-6) / 1e12
+        record(f"copy 2 GiB d2d ({label})", None, "bandwidth", tbs, "TB/s")
+        return tbs
+
+    copy_tbs = copy_bandwidth("first")
 
     weights = [{name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * (k ** -0.5)
                 for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
@@ -149,12 +155,12 @@ def main() -> int:
             tag = f"kc={kc or 'auto'}"
             ws = torch.zeros(lib.omnigraph_persistent_workspace_bytes(m, kc), dtype=torch.uint8, device="cuda")
 
-            def launch(layers: int, first: int = 0, kc=kc, ws=ws, ctx=ctx, h=h, h_out=h_out, qkv=qkv, m=m, trace=None):
+            def launch(layers: int, first: int = 0, kc=kc, ws=ws, ctx=ctx, h=h, h_out=h_out, qkv=qkv, m=m, trace=None, debug=0):
                 table = ctypes.c_void_p(ctypes.addressof(pointer_table) + 8 * 6 * first)
                 err = lib.omnigraph_persistent_launch(m, layers, kc, 1e-5, ctx.data_ptr(), h.data_ptr(),
                                                       h_out.data_ptr(), qkv.data_ptr(), table, ws.data_ptr(),
                                                       torch.cuda.current_stream().cuda_stream, 0, args.slots,
-                                                      None if trace is None else trace.data_ptr())
+                                                      None if trace is None else trace.data_ptr(), debug)
                 if err:
                     raise RuntimeError(f"launch failed: {lib.omnigraph_persistent_error(err).decode()}")
 
@@ -184,16 +190,29 @@ def main() -> int:
             record("persistent 1 launch numerics", m, "rel_err_qkv_28", rel(qkv, q), "ratio", variant=tag)
 
             # where the time goes: when each (layer, phase) completed, from %globaltimer
-            trace = torch.zeros(1 + 8 * LAYERS, dtype=torch.int64, device="cuda")
+            trace = torch.zeros(1 + 8 * LAYERS + 6 * 32, dtype=torch.int64, device="cuda")
             launch(LAYERS, trace=trace)
             torch.cuda.synchronize()
             stamps = trace.cpu().tolist()
             steps = [(stamps[i + 1] - stamps[i]) / 1000.0 for i in range(8 * LAYERS)]
+            traced_layer = 5
+            for r in range(32):
+                phase, *moments = stamps[1 + 8 * LAYERS + 6 * r: 1 + 8 * LAYERS + 6 * r + 6]
+                if moments[0] == 0:
+                    break
+                q = traced_layer * 8 + phase
+                prev_done = stamps[q]  # when phase q-1 completed
+                record("persistent cta0 task trace", m, f"task{r}_{PHASES[phase]}", (moments[3] - moments[2]) / 1000.0,
+                       "us", variant=tag, body_us=round((moments[3] - moments[2]) / 1000.0, 3),
+                       dependency_wait_us=round((moments[1] - moments[0]) / 1000.0, 3),
+                       seen_after_prev_phase_done_us=round((moments[1] - prev_done) / 1000.0, 3),
+                       weights_wait_us=round((moments[2] - moments[1]) / 1000.0, 3),
+                       signal_us=round((moments[4] - moments[3]) / 1000.0, 3))
             for phase, name in enumerate(PHASES):
                 per = [steps[8 * l + phase] for l in range(1, LAYERS)]
                 record("persistent 1 launch trace", m, f"phase{phase}_{name}_us", statistics.mean(per), "us",
                        variant=tag, first_layer=round(steps[phase], 2))
-            record("persistent 1 launch trace", m, "traced_total_us", (stamps[-1] - stamps[0]) / 1000.0, "us",
+            record("persistent 1 launch trace", m, "traced_total_us", (stamps[8 * LAYERS] - stamps[0]) / 1000.0, "us",
                    variant=tag)
 
             def chain28(launch=launch):
@@ -208,15 +227,20 @@ def main() -> int:
                 record(case, m, "weight_stream", tbs, "TB/s", variant=tag, fraction_of_copy=round(tbs / copy_tbs, 3),
                        fraction_of_4p8=round(tbs / 4.8, 3))
 
+            if args.experiments:
+                for flags, what in ((1, "no A loads"), (2, "no mma"), (3, "no A loads, no mma")):
+                    us = timed_graph_us(lambda launch=launch, flags=flags: launch(LAYERS, debug=flags), repeats=3)
+                    record(f"experiment 1 launch, {what}", m, "forward_us", us, "us", variant=tag)
+
         # today's path: cuBLAS GEMMs, and the layer tail as separate kernels
         a_in = {D: ctx, F: torch.randn(m, F, device="cuda").bfloat16()}
 
-        def gemms():
+        def gemms(a_in=a_in):
             for w in weights:
                 fn.linear(a_in[D], w["wqkv"]); fn.linear(a_in[D], w["wo"])
                 fn.linear(a_in[D], w["wi"]); fn.linear(a_in[F], w["wo_mlp"])
 
-        def tail():
+        def tail(h=h, ctx=ctx):
             for l, w in enumerate(weights):
                 h1 = h + fn.linear(ctx, w["wo"]).float()
                 x = fn.layer_norm(h1, (D,), weight=norms[l]["mlp"], eps=1e-5).bfloat16()
@@ -233,6 +257,7 @@ def main() -> int:
             record(case, m, "weight_stream", tbs, "TB/s", fraction_of_copy=round(tbs / copy_tbs, 3),
                    fraction_of_4p8=round(tbs / 4.8, 3))
 
+    copy_bandwidth("last")
     print(f"\n{'case':<34} {'rows':>5} {'variant':>9} {'forward us':>11} {'TB/s':>7} {'of copy':>8}")
     for row in rows_out:
         if row["metric"] == "weight_stream":

@@ -13,5 +13,12 @@ if ! python3 -c "import ctypes,sys; ctypes.CDLL(sys.argv[1])" "$LIB" 2>/dev/null
     -shared --cudart static omnigraph/workers/ops/csrc/persistent_layer.cu -o "$LIB" || exit 1
 fi
 cuobjdump --dump-sass "$LIB" 2>/dev/null | grep -cE "HMMA|UBLKCP|SYNCS" > "$OUT/sass_counts.txt" || true
+# the clocks while the benchmark runs (read only)
+( while sleep 1; do nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,clocks.mem,power.draw,clocks_throttle_reasons.active --format=csv,noheader; done > "$OUT/clocks.txt" 2>&1 ) &
+CLOCKS=$!
 set -o pipefail
 PYTHONUNBUFFERED=1 timeout 480 python3 benchmarks/gpu/persistent_bench.py --lib "$LIB" --json "$OUT/persistent.json" "$@" 2>&1 | tee "$OUT/log.txt"
+rc=$?
+kill $CLOCKS 2>/dev/null
+echo "clocks during the run (sm MHz, max, mem MHz, W, throttle):"; sort -t, -k2 -n "$OUT/clocks.txt" | awk -F, '{print $2 $3 $5 $6}' | uniq -c | tail -8
+exit $rc

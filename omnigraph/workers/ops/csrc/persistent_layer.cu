@@ -42,6 +42,10 @@ constexpr int kThreads = (kConsumerWarps + 1) * 32;
 constexpr int kTileN = 64;
 constexpr int kMaxBlocksPerWarp = 8;  // kc <= 512
 constexpr int kPhases = 8;
+constexpr int kTraceLayer = 5;
+constexpr int kDebugNoALoads = 1;  // timing experiments only: results are wrong with these
+constexpr int kDebugNoMma = 2;
+constexpr int kTraceRecords = 32;
 constexpr int kD = 1024;
 constexpr int kF = 2624;
 constexpr int kQkv = 3072;
@@ -119,7 +123,7 @@ __device__ inline uint64_t GlobalTimer() {
 }
 
 __device__ inline void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -200,7 +204,7 @@ __host__ inline size_t WorkspaceSize(int m_pad, int kc) {
 // GEMM task: rows [0, M) x columns [tile*64, +64) x K chunk [chunk*kc, +len) -> partial[chunk].
 // Warp w: m16 group (w & 3) of each 64-row block, k32 blocks of parity (w >> 2).
 __device__ void GemmTask(const __nv_bfloat16* a, int lda, const uint4* w_smem, float* partial, int n_total,
-                         int tile, int chunk, int len, int m, float* reduce_smem) {
+                         int tile, int chunk, int len, int m, float* reduce_smem, int debug) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int mw = warp & 3, kh = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
@@ -214,7 +218,9 @@ __device__ void GemmTask(const __nv_bfloat16* a, int lda, const uint4* w_smem, f
 #pragma unroll
     for (int i = 0; i < kMaxBlocksPerWarp; ++i) {
       const int b = kh + 2 * i;
-      if (b < blocks) {
+      if (debug & kDebugNoALoads) {
+        frag_lo[i] = frag_hi[i] = make_uint4(lane, b, 1, 2);
+      } else if (b < blocks) {
         frag_lo[i] = __ldcg(reinterpret_cast<const uint4*>(a_lo + b * 32));
         frag_hi[i] = __ldcg(reinterpret_cast<const uint4*>(a_hi + b * 32));
       }
@@ -225,14 +231,17 @@ __device__ void GemmTask(const __nv_bfloat16* a, int lda, const uint4* w_smem, f
 #pragma unroll
     for (int i = 0; i < kMaxBlocksPerWarp; ++i) {
       const int b = kh + 2 * i;
-      if (b < blocks) {
+      if (b < blocks && !(debug & kDebugNoMma)) {
         const uint4* wb = w_smem + b * 256 + lane;
+        uint4 bw[8];
 #pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const uint4 bw = wb[nt * 32];
-          Mma(acc[nt], frag_lo[i].x, frag_hi[i].x, frag_lo[i].y, frag_hi[i].y, bw.x, bw.y);
-          Mma(acc[nt], frag_lo[i].z, frag_hi[i].z, frag_lo[i].w, frag_hi[i].w, bw.z, bw.w);
-        }
+        for (int nt = 0; nt < 8; ++nt) bw[nt] = wb[nt * 32];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          Mma(acc[nt], frag_lo[i].x, frag_hi[i].x, frag_lo[i].y, frag_hi[i].y, bw[nt].x, bw[nt].y);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+          Mma(acc[nt], frag_lo[i].z, frag_hi[i].z, frag_lo[i].w, frag_hi[i].w, bw[nt].z, bw[nt].w);
       }
     }
     if (kh == 1) {
@@ -259,11 +268,20 @@ __device__ void GemmTask(const __nv_bfloat16* a, int lda, const uint4* w_smem, f
 }
 
 // Sum over splits of partial[s][row][col..col+3].
+constexpr int kMaxSplits = 32;  // ceil(2624 / 96) for kc >= 96
 __device__ inline float4 SumSplits(const float* partial, int splits, int m, int n_total, int row, int col) {
+  float4 v[4];
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
-  for (int i = 0; i < splits; ++i) {
-    const float4 v = __ldcg(reinterpret_cast<const float4*>(partial + (size_t(i) * m + row) * n_total + col));
-    s.x += v.x; s.y += v.y; s.z += v.z; s.w += v.w;
+  for (int base = 0; base < splits; base += 4) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (base + i < splits)
+        v[i] = __ldcg(reinterpret_cast<const float4*>(partial + (size_t(base + i) * m + row) * n_total + col));
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      if (base + i < splits) {
+        s.x += v[i].x; s.y += v[i].y; s.z += v[i].z; s.w += v[i].w;
+      }
   }
   return s;
 }
@@ -360,9 +378,16 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
   int ready = -1;  // highest global phase known complete (thread 0's view)
   int j = 0;
   const int m = p.m;
+  // With a trace, CTA 0 records its tasks of layer kTraceLayer: phase, then the moments (thread 0's
+  // view) it began, found its dependency met, had its weights, finished the body, signalled.
+  uint64_t stamp[5] = {0, 0, 0, 0, 0};
+  int records = 0;
   for (int index = blockIdx.x; index < total; index += grid) {
     const Task task = Locate(index, p.prefix);
     const int q = task.layer * kPhases + task.phase;
+    const bool traced = p.args.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0 &&
+                        task.layer == min(kTraceLayer, p.args.layers - 1) && records < kTraceRecords;
+    if (traced) stamp[0] = GlobalTimer();
     if (threadIdx.x == 0 && q > 0 && ready < q - 1) {
       const int need = PhaseTasks((q - 1) % kPhases, m, p.kc);
       while (LoadAcquire(&counters[q - 1]) < need) {
@@ -370,6 +395,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       ready = q - 1;
     }
     ConsumerSync();
+    if (traced) stamp[1] = stamp[2] = GlobalTimer();
     const LayerWeights& lw = p.args.weights[task.layer];
     if ((task.phase & 1) == 0) {
       const Geometry geo = GemmGeometry(task.phase);
@@ -394,8 +420,9 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       }
       const int slot = j % p.slots;
       MbarWait(&full[slot], (j / p.slots) & 1);
+      if (traced) stamp[2] = GlobalTimer();
       GemmTask(a + size_t(chunk) * p.kc, lda, reinterpret_cast<const uint4*>(ring + size_t(slot) * p.slot_bytes),
-               p.buf.partial, geo.n, tile, chunk, len, m, reduce);
+               p.buf.partial, geo.n, tile, chunk, len, m, reduce, p.args.debug_flags);
       if ((threadIdx.x & 31) == 0) MbarArrive(&empty[slot]);
       ++j;
     } else if (task.phase == 1 || task.phase == 5) {
@@ -410,7 +437,10 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       }
     } else if (task.phase == 3) {
       const int row = task.local, splits = CeilDiv(kD, p.kc);
-      for (int col = threadIdx.x * 4; col < kF; col += kConsumerWarps * 32 * 4) {
+#pragma unroll
+      for (int it = 0; it < 3; ++it) {
+        const int col = threadIdx.x * 4 + it * kConsumerWarps * 32 * 4;
+        if (col >= kF) break;
         const float4 gate = SumSplits(p.buf.partial, splits, m, 2 * kF, row, col);
         const float4 up = SumSplits(p.buf.partial, splits, m, 2 * kF, row, kF + col);
         __stcg(reinterpret_cast<uint2*>(p.buf.gb + size_t(row) * kF + col),
@@ -419,17 +449,26 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       }
     } else {
       const int row = task.local, splits = CeilDiv(kD, p.kc);
-      for (int col = threadIdx.x * 4; col < kQkv; col += kConsumerWarps * 32 * 4) {
+#pragma unroll
+      for (int it = 0; it < 3; ++it) {
+        const int col = threadIdx.x * 4 + it * kConsumerWarps * 32 * 4;
         const float4 s = SumSplits(p.buf.partial, splits, m, kQkv, row, col);
         __stcg(reinterpret_cast<uint2*>(p.args.qkv_out + size_t(row) * kQkv + col), PackBf16x4(s.x, s.y, s.z, s.w));
       }
     }
     ConsumerSync();
+    if (traced) stamp[3] = GlobalTimer();
     if (threadIdx.x == 0) {
       if (p.args.trace == nullptr) {
         RedRelease(&counters[q], 1);
       } else if (AtomAddRelease(&counters[q], 1) == PhaseTasks(task.phase, m, p.kc) - 1) {
         p.args.trace[q + 1] = GlobalTimer();  // the moment phase q completed
+      }
+      if (traced) {
+        stamp[4] = GlobalTimer();
+        uint64_t* rec = p.args.trace + 1 + kPhases * kMaxLayers + 6 * records++;
+        rec[0] = uint64_t(task.phase);
+        for (int i = 0; i < 5; ++i) rec[1 + i] = stamp[i];
       }
     }
   }
@@ -508,7 +547,7 @@ __attribute__((visibility("default"))) int omnigraph_persistent_launch(int m, in
                                                                        float* h_out, void* qkv_out,
                                                                        const uint64_t* layer_ptrs, void* workspace,
                                                                        void* stream, int grid, int slots,
-                                                                       uint64_t* trace) {
+                                                                       uint64_t* trace, int debug_flags) {
   using namespace omnigraph::persistent;
   if (layers < 1 || layers > kMaxLayers) return int(cudaErrorInvalidValue);
   Args a{};
@@ -521,6 +560,7 @@ __attribute__((visibility("default"))) int omnigraph_persistent_launch(int m, in
   a.h_out = h_out;
   a.qkv_out = static_cast<__nv_bfloat16*>(qkv_out);
   a.trace = trace;
+  a.debug_flags = debug_flags;
   for (int l = 0; l < layers; ++l) {
     const uint64_t* q = layer_ptrs + 6 * l;
     a.weights[l].wo = reinterpret_cast<const __nv_bfloat16*>(q[0]);

@@ -32,7 +32,9 @@ struct Args {
   const float* h_in;         // [m, 1024] residual stream before layer 0's Wo
   float* h_out;              // [m, 1024] residual stream after the last layer's MLP
   __nv_bfloat16* qkv_out;    // [m, 3072] the next layer's qkv
-  uint64_t* trace;  // nullable: [0] kernel start, [1 + layer * 8 + phase] when that phase completed (ns)
+  uint64_t* trace;  // nullable: [0] kernel start, [1 + layer * 8 + phase] when that phase completed (ns),
+                    // then 32 records of 6 (CTA 0's tasks of layer 5: phase and 5 moments), 1 + 8 * 28 + 192 in all
+  int debug_flags;  // 0; timing experiments: 1 = no A loads, 2 = no mma (wrong results)
   LayerWeights weights[kMaxLayers];
 };
 
