@@ -13,7 +13,7 @@ from pathlib import Path
 
 import onnx
 
-from omnigraph.bundles.errors import BundlePathUnsafe, ExternalDataOutsideBundle
+from omnigraph.bundles.errors import BundlePathUnsafe, ExternalDataOutsideBundle, MemberInvalid
 from omnigraph.bundles.onnx_graph import iter_tensors
 from omnigraph.bundles.paths import check_member_name
 
@@ -50,10 +50,27 @@ def external_data_references(root: Path, graph_file: str, model: onnx.ModelProto
 
 
 def check_external_data(root: Path, graph_file: str, model: onnx.ModelProto, listed: Collection[str]) -> None:
-    """Refuse a graph that reads external data from a file outside the `listed` member names."""
+    """Refuse a graph that reads external data from a file outside the `listed` member names, or
+    past the end of its file (a truncated weights file would otherwise fail only at session load)."""
     for member, tensor_name in external_data_members(root, graph_file, model).items():
         if member not in listed:
             raise ExternalDataOutsideBundle(
                 f"{root / graph_file}: tensor {tensor_name!r} reads external data from {member!r}, "
                 "which is not a file of the bundle"
+            )
+    graph_dir = posixpath.dirname(graph_file)
+    sizes: dict[str, int] = {}
+    for tensor in iter_tensors(model):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        if not entries.get("length"):
+            continue  # ONNX Runtime then reads what the tensor's shape takes and checks it itself
+        member = posixpath.join(graph_dir, entries["location"])
+        size = sizes.setdefault(member, (root / member).stat().st_size)
+        end = int(entries.get("offset") or 0) + int(entries["length"])
+        if end > size:
+            raise MemberInvalid(
+                f"{root / member}: {size} bytes, but tensor {tensor.name!r} of {root / graph_file} reads up to "
+                f"byte {end} (truncated?)"
             )

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import sys
 import stat
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path

@@ -136,3 +136,12 @@ def test_bundle_verify_refuses_a_bundle_repacked_with_a_truncated_member(bundle_
     assert omnigraph_cli(["bundle", "verify", str(bundle_dir)]) == 1
     error = capsys.readouterr().err
     assert f"MemberInvalid: {bundle_dir / name}: not" in error and "truncated or damaged" in error
+
+
+def test_bundle_verify_refuses_a_weights_file_shorter_than_its_graph_reads(bundle_dir, capsys):
+    pack(bundle_dir)
+    truncate(bundle_dir / "weights.bin")
+    relist(bundle_dir, "weights.bin")
+    assert omnigraph_cli(["bundle", "verify", str(bundle_dir)]) == 1
+    error = capsys.readouterr().err
+    assert f"MemberInvalid: {bundle_dir / 'weights.bin'}: 16 bytes, but tensor 'w'" in error and "truncated" in error
