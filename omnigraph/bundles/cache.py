@@ -9,6 +9,7 @@ loser's rename fails and it uses the winner's folder.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -19,6 +20,8 @@ from typing import Any
 __all__ = ["CACHE_ENV", "CacheUnwritable", "cache_key", "cache_root", "cached_folder"]
 
 CACHE_ENV = "OMNIGRAPH_CACHE"
+# The errors of a cache that cannot take a new folder: read-only, full, over quota, not ours.
+_UNWRITABLE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
 # Hex digits of the key's sha256 in a folder name: 64 bits, plenty for one machine's cache.
 KEY_DIGITS = 16
 
@@ -50,8 +53,9 @@ def cached_folder(kind: str, name: str, key: Mapping[str, Any], build: Callable[
     that name is reused as it is, also from a cache copied elsewhere. An existing folder is
     returned without any write, so a read-only cache serves what it holds. `build` writes the new
     folder `out` atomically (through `staged_bundle_dir`), refusing an existing one; when it fails
-    because another process finished the same folder first, that folder is returned; any other
-    OSError (read-only, disk full) becomes CacheUnwritable naming the path and the cause.
+    because another process finished the same folder first, that folder is returned; the OSError
+    of an unwritable cache (read-only, full, over quota, no permission) becomes CacheUnwritable,
+    naming the path and the cause.
     """
     for what, value in (("kind", kind), ("name", name)):
         if not isinstance(value, str) or not value or "/" in value or os.sep in value or value in (".", ".."):
@@ -66,6 +70,8 @@ def cached_folder(kind: str, name: str, key: Mapping[str, Any], build: Callable[
         # when both rename at once); anything else is a real failure.
         if out.is_dir():
             return out
+        if exc.errno not in _UNWRITABLE:
+            raise
         where = exc.filename or out
         raise CacheUnwritable(exc.errno, f"cannot build {out} in the cache (${CACHE_ENV}): {where}: "
                                          f"{exc.strerror or exc}") from exc
