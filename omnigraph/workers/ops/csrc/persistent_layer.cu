@@ -165,23 +165,23 @@ struct Buffers {
 
 __host__ __device__ inline size_t Align256(size_t v) { return (v + 255) & ~size_t(255); }
 
-__host__ __device__ inline int PartialColumns(int kc) {
+__host__ __device__ inline int PartialColumns(const int* kcs) {
   int best = 0;
   for (int p = 0; p < kPhases; p += 2) {
     const Geometry g = GemmGeometry(p);
-    const int cols = g.n * CeilDiv(g.k, kc);
+    const int cols = g.n * CeilDiv(g.k, kcs[p >> 1]);
     best = cols > best ? cols : best;
   }
   return best;
 }
 
-__host__ __device__ inline Buffers Carve(void* workspace, int m_pad, int kc) {
+__host__ __device__ inline Buffers Carve(void* workspace, int m_pad, const int* kcs) {
   char* p = static_cast<char*>(workspace);
   Buffers b;
   b.counters = reinterpret_cast<int*>(p);
   p += Align256((kMaxLayers * kPhases + 1) * sizeof(int));
   b.partial = reinterpret_cast<float*>(p);
-  p += Align256(size_t(PartialColumns(kc)) * m_pad * sizeof(float));
+  p += Align256(size_t(PartialColumns(kcs)) * m_pad * sizeof(float));
   b.h1 = reinterpret_cast<float*>(p);
   p += Align256(size_t(m_pad) * kD * sizeof(float));
   b.xb = reinterpret_cast<__nv_bfloat16*>(p);
@@ -192,9 +192,9 @@ __host__ __device__ inline Buffers Carve(void* workspace, int m_pad, int kc) {
   return b;
 }
 
-__host__ inline size_t WorkspaceSize(int m_pad, int kc) {
+__host__ inline size_t WorkspaceSize(int m_pad, const int* kcs) {
   size_t bytes = Align256((kMaxLayers * kPhases + 1) * sizeof(int));
-  bytes += Align256(size_t(PartialColumns(kc)) * m_pad * sizeof(float));
+  bytes += Align256(size_t(PartialColumns(kcs)) * m_pad * sizeof(float));
   bytes += Align256(size_t(m_pad) * kD * sizeof(float));
   bytes += Align256(size_t(m_pad) * kD * 2) + Align256(size_t(m_pad) * kF * 2) + Align256(size_t(m_pad) * kD * 2);
   return bytes;
@@ -203,6 +203,7 @@ __host__ inline size_t WorkspaceSize(int m_pad, int kc) {
 // ------------------------------------------------------------------------------------------------
 // GEMM task: rows [0, M) x columns [tile*64, +64) x K chunk [chunk*kc, +len) -> partial[chunk].
 // Warp w: m16 group (w & 3) of each 64-row block, k32 blocks of parity (w >> 2).
+template <bool kInstrumented>
 __device__ void GemmTask(const __nv_bfloat16* a, int lda, const uint4* w_smem, float* partial, int n_total,
                          int tile, int chunk, int len, int m, float* reduce_smem, int debug) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -218,7 +219,7 @@ __device__ void GemmTask(const __nv_bfloat16* a, int lda, const uint4* w_smem, f
 #pragma unroll
     for (int i = 0; i < kMaxBlocksPerWarp; ++i) {
       const int b = kh + 2 * i;
-      if (debug & kDebugNoALoads) {
+      if (kInstrumented && (debug & kDebugNoALoads)) {
         frag_lo[i] = frag_hi[i] = make_uint4(lane, b, 1, 2);
       } else if (b < blocks) {
         frag_lo[i] = __ldcg(reinterpret_cast<const uint4*>(a_lo + b * 32));
@@ -231,7 +232,7 @@ __device__ void GemmTask(const __nv_bfloat16* a, int lda, const uint4* w_smem, f
 #pragma unroll
     for (int i = 0; i < kMaxBlocksPerWarp; ++i) {
       const int b = kh + 2 * i;
-      if (b < blocks && !(debug & kDebugNoMma)) {
+      if (b < blocks && !(kInstrumented && (debug & kDebugNoMma))) {
         const uint4* wb = w_smem + b * 256 + lane;
         uint4 bw[8];
 #pragma unroll
@@ -321,12 +322,14 @@ struct KernelParams {
   Args args;
   Buffers buf;
   int m;
-  int kc;
+  int kcs[4];  // K chunk of each GEMM phase (index phase / 2); a row phase sums phase / 2's splits
   int slots;
   int slot_bytes;
   int prefix[kPhases + 1];
 };
 
+// kInstrumented: the trace and the timing-experiment flags are compiled in (only then).
+template <bool kInstrumented>
 __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __grid_constant__ KernelParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
@@ -345,7 +348,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
   }
   __syncthreads();
 
-  if (p.args.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.args.trace[0] = GlobalTimer();
+  if (kInstrumented && p.args.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0) p.args.trace[0] = GlobalTimer();
   const int total = p.prefix[kPhases] * p.args.layers;
   const int grid = gridDim.x;
 
@@ -356,12 +359,13 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
         const Task task = Locate(index, p.prefix);
         if (task.phase & 1) continue;
         const Geometry geo = GemmGeometry(task.phase);
-        const int chunks = CeilDiv(geo.k, p.kc);
+        const int kc = p.kcs[task.phase >> 1];
+        const int chunks = CeilDiv(geo.k, kc);
         const int tile = task.local / chunks, chunk = task.local % chunks;
-        const int len = min(p.kc, geo.k - chunk * p.kc);
+        const int len = min(kc, geo.k - chunk * kc);
         const LayerWeights& lw = p.args.weights[task.layer];
         const __nv_bfloat16* w = task.phase == 0 ? lw.wo : task.phase == 2 ? lw.wi : task.phase == 4 ? lw.wo_mlp : lw.wqkv;
-        const __nv_bfloat16* src = w + size_t(tile) * kTileN * geo.k + size_t(chunk) * p.kc * kTileN;
+        const __nv_bfloat16* src = w + size_t(tile) * kTileN * geo.k + size_t(chunk) * kc * kTileN;
         const int slot = j % p.slots;
         if (j >= p.slots) MbarWait(&empty[slot], ((j / p.slots) & 1) ^ 1);
         const uint32_t bytes = uint32_t(len) * kTileN * 2;
@@ -385,11 +389,11 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
   for (int index = blockIdx.x; index < total; index += grid) {
     const Task task = Locate(index, p.prefix);
     const int q = task.layer * kPhases + task.phase;
-    const bool traced = p.args.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0 &&
+    const bool traced = kInstrumented && p.args.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0 &&
                         task.layer == min(kTraceLayer, p.args.layers - 1) && records < kTraceRecords;
     if (traced) stamp[0] = GlobalTimer();
     if (threadIdx.x == 0 && q > 0 && ready < q - 1) {
-      const int need = PhaseTasks((q - 1) % kPhases, m, p.kc);
+      const int need = PhaseTasks((q - 1) % kPhases, m, p.kcs[((q - 1) % kPhases) >> 1]);
       while (LoadAcquire(&counters[q - 1]) < need) {
       }
       ready = q - 1;
@@ -399,9 +403,10 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
     const LayerWeights& lw = p.args.weights[task.layer];
     if ((task.phase & 1) == 0) {
       const Geometry geo = GemmGeometry(task.phase);
-      const int chunks = CeilDiv(geo.k, p.kc);
+      const int kc = p.kcs[task.phase >> 1];
+      const int chunks = CeilDiv(geo.k, kc);
       const int tile = task.local / chunks, chunk = task.local % chunks;
-      const int len = min(p.kc, geo.k - chunk * p.kc);
+      const int len = min(kc, geo.k - chunk * kc);
       const __nv_bfloat16* a;
       int lda;
       switch (task.phase) {
@@ -421,7 +426,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       const int slot = j % p.slots;
       MbarWait(&full[slot], (j / p.slots) & 1);
       if (traced) stamp[2] = GlobalTimer();
-      GemmTask(a + size_t(chunk) * p.kc, lda, reinterpret_cast<const uint4*>(ring + size_t(slot) * p.slot_bytes),
+      GemmTask<kInstrumented>(a + size_t(chunk) * kc, lda, reinterpret_cast<const uint4*>(ring + size_t(slot) * p.slot_bytes),
                p.buf.partial, geo.n, tile, chunk, len, m, reduce, p.args.debug_flags);
       if ((threadIdx.x & 31) == 0) MbarArrive(&empty[slot]);
       ++j;
@@ -429,14 +434,14 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       const int row = task.local;
       if (task.phase == 1) {
         const float* h = task.layer == 0 ? p.args.h_in : p.args.h_out;
-        LayerNormRow(h, p.buf.partial, CeilDiv(kD, p.kc), m, row, p.buf.h1, p.buf.xb, lw.mlp_norm, p.args.epsilon,
+        LayerNormRow(h, p.buf.partial, CeilDiv(kD, p.kcs[0]), m, row, p.buf.h1, p.buf.xb, lw.mlp_norm, p.args.epsilon,
                      scratch);
       } else {
-        LayerNormRow(p.buf.h1, p.buf.partial, CeilDiv(kF, p.kc), m, row, p.args.h_out, p.buf.yb, lw.attn_norm,
+        LayerNormRow(p.buf.h1, p.buf.partial, CeilDiv(kF, p.kcs[2]), m, row, p.args.h_out, p.buf.yb, lw.attn_norm,
                      p.args.epsilon, scratch);
       }
     } else if (task.phase == 3) {
-      const int row = task.local, splits = CeilDiv(kD, p.kc);
+      const int row = task.local, splits = CeilDiv(kD, p.kcs[1]);
 #pragma unroll
       for (int it = 0; it < 3; ++it) {
         const int col = threadIdx.x * 4 + it * kConsumerWarps * 32 * 4;
@@ -448,7 +453,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
                           GeluErf(gate.w) * up.w));
       }
     } else {
-      const int row = task.local, splits = CeilDiv(kD, p.kc);
+      const int row = task.local, splits = CeilDiv(kD, p.kcs[3]);
 #pragma unroll
       for (int it = 0; it < 3; ++it) {
         const int col = threadIdx.x * 4 + it * kConsumerWarps * 32 * 4;
@@ -459,9 +464,9 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
     ConsumerSync();
     if (traced) stamp[3] = GlobalTimer();
     if (threadIdx.x == 0) {
-      if (p.args.trace == nullptr) {
+      if (!kInstrumented || p.args.trace == nullptr) {
         RedRelease(&counters[q], 1);
-      } else if (AtomAddRelease(&counters[q], 1) == PhaseTasks(task.phase, m, p.kc) - 1) {
+      } else if (AtomAddRelease(&counters[q], 1) == PhaseTasks(task.phase, m, p.kcs[task.phase >> 1]) - 1) {
         p.args.trace[q + 1] = GlobalTimer();  // the moment phase q completed
       }
       if (traced) {
@@ -490,9 +495,19 @@ int g_smem_limit = 0;
 
 }  // namespace
 
-int PickKc(int m) { return m <= 256 ? 256 : 512; }
 
-size_t WorkspaceBytes(int m, int kc) { return WorkspaceSize(CeilDiv(m, 64) * 64, kc); }
+// kc > 0: every GEMM phase uses it; 0: per phase, sized so each phase has about one task per SM at
+// most: Wo 128 (128 tasks), Wi 512 (164), Wo_mlp 384 (112), Wqkv 512 (96).
+void ResolveKcs(int kc, int* kcs) {
+  static const int kAuto[4] = {128, 512, 384, 512};
+  for (int i = 0; i < 4; ++i) kcs[i] = kc > 0 ? kc : kAuto[i];
+}
+
+size_t WorkspaceBytes(int m, int kc) {
+  int kcs[4];
+  ResolveKcs(kc, kcs);
+  return WorkspaceSize(CeilDiv(m, 64) * 64, kcs);
+}
 
 int InitWorkspace(void* workspace, void* stream) {
   return static_cast<int>(cudaMemsetAsync(workspace, 0, Align256((kMaxLayers * kPhases + 1) * sizeof(int)),
@@ -501,32 +516,43 @@ int InitWorkspace(void* workspace, void* stream) {
 
 int Launch(const Args& args, void* workspace, void* stream, int grid_override, int slots_override) {
   if (args.layers < 1 || args.layers > kMaxLayers || args.m < 1 || args.m > 512) return int(cudaErrorInvalidValue);
-  const int kc = args.kc > 0 ? args.kc : PickKc(args.m);
-  if (kc % 32 != 0 || kc > 32 * 2 * kMaxBlocksPerWarp) return int(cudaErrorInvalidValue);
+  int kcs[4];
+  ResolveKcs(args.kc, kcs);
+  int kc_max = 0;
+  for (int i = 0; i < 4; ++i) {
+    if (kcs[i] % 32 != 0 || kcs[i] > 32 * 2 * kMaxBlocksPerWarp) return int(cudaErrorInvalidValue);
+    kc_max = kcs[i] > kc_max ? kcs[i] : kc_max;
+  }
   if (g_sm_count == 0) {
     int device = 0;
     cudaError_t e = cudaGetDevice(&device);
     if (e != cudaSuccess) return int(e);
     cudaDeviceGetAttribute(&g_sm_count, cudaDevAttrMultiProcessorCount, device);
     cudaDeviceGetAttribute(&g_smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-    e = cudaFuncSetAttribute(PersistentLayerKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, g_smem_limit);
+    e = cudaFuncSetAttribute(PersistentLayerKernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize, g_smem_limit);
+    if (e != cudaSuccess) return int(e);
+    e = cudaFuncSetAttribute(PersistentLayerKernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize, g_smem_limit);
     if (e != cudaSuccess) return int(e);
   }
   KernelParams p{};
   p.args = args;
   p.m = args.m;
-  p.kc = kc;
-  p.slot_bytes = kc * kTileN * 2;
+  for (int i = 0; i < 4; ++i) p.kcs[i] = kcs[i];
+  p.slot_bytes = kc_max * kTileN * 2;
   const int fixed = 1024 + kReduceBytes;
   p.slots = (g_smem_limit - fixed) / p.slot_bytes;
   if (slots_override > 0 && slots_override < p.slots) p.slots = slots_override;
   if (p.slots < 2 || p.slots > 32) return int(cudaErrorInvalidValue);
-  p.buf = Carve(workspace, CeilDiv(args.m, 64) * 64, kc);
+  p.buf = Carve(workspace, CeilDiv(args.m, 64) * 64, kcs);
   p.prefix[0] = 0;
-  for (int i = 0; i < kPhases; ++i) p.prefix[i + 1] = p.prefix[i] + PhaseTasks(i, args.m, kc);
+  for (int i = 0; i < kPhases; ++i) p.prefix[i + 1] = p.prefix[i] + PhaseTasks(i, args.m, kcs[i >> 1]);
   const int grid = grid_override > 0 ? grid_override : g_sm_count;
   const size_t smem = size_t(fixed) + size_t(p.slots) * p.slot_bytes;
-  PersistentLayerKernel<<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+  if (args.trace != nullptr || args.debug_flags != 0) {
+    PersistentLayerKernel<true><<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+  } else {
+    PersistentLayerKernel<false><<<grid, kThreads, smem, static_cast<cudaStream_t>(stream)>>>(p);
+  }
   return int(cudaGetLastError());
 }
 
@@ -536,7 +562,7 @@ int Launch(const Args& args, void* workspace, void* stream, int grid_override, i
 // C entry points for the benchmark (ctypes) and, later, the op library.
 extern "C" {
 __attribute__((visibility("default"))) size_t omnigraph_persistent_workspace_bytes(int m, int kc) {
-  return omnigraph::persistent::WorkspaceBytes(m, kc > 0 ? kc : omnigraph::persistent::PickKc(m));
+  return omnigraph::persistent::WorkspaceBytes(m, kc);
 }
 __attribute__((visibility("default"))) int omnigraph_persistent_init_workspace(void* ws, void* stream) {
   return omnigraph::persistent::InitWorkspace(ws, stream);

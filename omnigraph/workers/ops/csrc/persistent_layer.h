@@ -26,7 +26,7 @@ struct LayerWeights {
 struct Args {
   int m;
   int layers;
-  int kc;  // K chunk per task (multiple of 32, <= 512); 0 = pick by m
+  int kc;  // K chunk per task (multiple of 32, <= 512) for every GEMM phase; 0 = chosen per phase
   float epsilon;
   const __nv_bfloat16* ctx;  // [m, 1024] attention context of layer 0
   const float* h_in;         // [m, 1024] residual stream before layer 0's Wo
@@ -38,7 +38,6 @@ struct Args {
   LayerWeights weights[kMaxLayers];
 };
 
-int PickKc(int m);
 size_t WorkspaceBytes(int m, int kc);
 // Zeroes the dependency counters; once per workspace (the kernel leaves them zero when it ends).
 int InitWorkspace(void* workspace, void* stream);
