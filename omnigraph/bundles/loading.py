@@ -1,5 +1,5 @@
-"""The bytes a graph worker runs: a bundle verified with its graph, external data and example
-inputs read into memory and hashed from those very bytes.
+"""The bytes a graph worker runs: a bundle verified with its graph, external data, example inputs
+and custom-op library read into memory and hashed from those very bytes.
 
 A worker that verified files and then let ONNX Runtime open them by path would run whatever the
 files hold by then: a weights file changed in place after verification was served under the
@@ -31,11 +31,13 @@ class LoadedBundle:
     graph: bytes
     external_data: dict[str, bytes]
     example_inputs: bytes | None
+    custom_ops_library: bytes | None
 
 
 def load_bundle(path: str | os.PathLike[str]) -> LoadedBundle:
-    """verify_bundle(path), keeping the bytes of the graph, its external data and the example
-    inputs as read and hashed (one read of each; the other members are hashed from disk)."""
+    """verify_bundle(path), keeping the bytes of the graph, its external data, the example inputs
+    and the custom-op library as read and hashed (one read of each; the other members are hashed
+    from disk)."""
     layout = read_bundle_layout(path)
     root, metadata = layout.root, layout.manifest.metadata
     contents = {metadata.graph_file: read_file(root / metadata.graph_file)}
@@ -47,12 +49,15 @@ def load_bundle(path: str | os.PathLike[str]) -> LoadedBundle:
     for member in references:
         if member in layout.manifest.files:  # an unlisted one is refused by the verification below
             contents[member] = read_file(root / member)
-    if metadata.example_inputs_file is not None:
-        contents[metadata.example_inputs_file] = read_file(root / metadata.example_inputs_file)
+    kept = (metadata.example_inputs_file, None if layout.manifest.custom_ops is None else layout.manifest.custom_ops.library_file)
+    for name in kept:
+        if name is not None:
+            contents[name] = read_file(root / name)
     bundle = complete_verification(layout, contents)
     return LoadedBundle(
         bundle=bundle,
         graph=contents[metadata.graph_file][0],
         external_data={location: contents[member][0] for member, (location, _) in references.items()},
-        example_inputs=None if metadata.example_inputs_file is None else contents[metadata.example_inputs_file][0],
+        example_inputs=None if kept[0] is None else contents[kept[0]][0],
+        custom_ops_library=None if kept[1] is None else contents[kept[1]][0],
     )

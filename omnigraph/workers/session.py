@@ -5,6 +5,7 @@ IOBinding on CUDA, one CUDA graph per input shape where the route enables them).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import tempfile
@@ -12,7 +13,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, NoReturn, Sequence
+from typing import Iterator, Mapping, NoReturn, Sequence
 
 import numpy as np
 import onnxruntime as ort
@@ -239,7 +240,6 @@ class GraphSession:
 def _session_options(loaded: LoadedBundle, route: WorkerRoute, profile_prefix: str | None, *, disable_cpu_fallback: bool) -> ort.SessionOptions:
     """Options whose external initializers are the verified bytes (ORT copies them while it builds
     the session; the options keep pointers into `loaded`, so they must not outlive it)."""
-    bundle = loaded.bundle
     options = ort.SessionOptions()
     if loaded.external_data:
         locations = list(loaded.external_data)
@@ -249,14 +249,28 @@ def _session_options(loaded: LoadedBundle, route: WorkerRoute, profile_prefix: s
     options.log_severity_level = 3  # errors only: the worker's stderr is its log
     if route.intra_op_num_threads is not None:
         options.intra_op_num_threads = route.intra_op_num_threads
-    if bundle.custom_ops_path is not None:
-        options.register_custom_ops_library(str(bundle.custom_ops_path))
+    if loaded.custom_ops_library is not None:
+        with _private_file(loaded.custom_ops_library) as library:
+            options.register_custom_ops_library(library)  # loaded now: the descriptor may close
     if disable_cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     if profile_prefix is not None:
         options.enable_profiling = True
         options.profile_file_prefix = profile_prefix
     return options
+
+
+@contextlib.contextmanager
+def _private_file(content: bytes) -> Iterator[str]:
+    """A path to `content` in an anonymous in-memory file of this process (memfd), so a library
+    loaded from it is the verified bytes, whatever happens to the bundle's file meanwhile."""
+    fd = os.memfd_create("omnigraph-verified", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(os.dup(fd), "wb") as stream:
+            stream.write(content)
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
 
 
 def _create_session(loaded: LoadedBundle, route: WorkerRoute, profile_prefix: str | None, *, disable_cpu_fallback: bool, notes: list[str]) -> ort.InferenceSession:
