@@ -1,6 +1,6 @@
 // The persistent weight-streaming layer kernel (persistent_layer.cu): one launch runs the
 // projection chain of 1..kMaxLayers ModernBERT layers (d=1024, F=2624) for M <= 512 rows.
-// Weights are pre-packed (PackWeight layout, see benchmarks/gpu/persistent_bench.py `pack`):
+// Weights are pre-packed (omnigraph/workers/ops/persistent.py `pack_weight`):
 // W [N, K] -> [N/64, K/32, 8, 8, 4, 8] from W.reshape(N/64, 8, 8, K/32, 4, 8).transpose(0,3,1,2,4,5).
 #pragma once
 
