@@ -269,7 +269,6 @@ __device__ void GemmTask(const __nv_bfloat16* a, int lda, const uint4* w_smem, f
 }
 
 // Sum over splits of partial[s][row][col..col+3].
-constexpr int kMaxSplits = 32;  // ceil(2624 / 96) for kc >= 96
 __device__ inline float4 SumSplits(const float* partial, int splits, int m, int n_total, int row, int col) {
   float4 v[4];
   float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
