@@ -6,16 +6,22 @@ connection (the peer's pid is checked through SO_PEERCRED), removes the socket f
 reads the hello. The worker's stdout and stderr go to a log in that folder; its tail is quoted when
 the worker dies. ``close`` removes the folder.
 
+Calls: ``run`` sends a forward call and waits for its reply; a call that is not answered in time
+cannot be pre-empted, so ``run`` then retires the worker (killed, WorkerTimeout). The stage
+runtime uses the two halves instead: ``submit`` sends the call, ``result(until)`` takes its reply
+or says that none came by ``until`` without consuming anything, so the caller decides how long a
+worker may take once its requests are gone (graph_client.py).
+
 Epochs: ``fence(epoch)`` raises the client's floor at once (a reply for an older epoch is then
-discarded with StaleEpoch) and tells the worker, which refuses later messages below it. A call
-that times out cannot be pre-empted, so it retires the worker: it is killed and WorkerTimeout
-raised. A worker that dies mid-call surfaces as WorkerDied with its exit status (socket EOF, then
-waitpid), never as a hang.
+discarded with StaleEpoch) and tells the worker, which refuses later messages below it. A worker
+that dies mid-call surfaces as WorkerDied with its exit status (socket EOF, then waitpid), never
+as a hang.
 """
 
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import socket
@@ -51,6 +57,9 @@ WORKER_MODULE = "omnigraph.workers.worker"
 DEATH_REAP_SECONDS = 5.0
 # Why: quoting the end of the worker's log is enough to say why it died.
 LOG_TAIL_BYTES = 4000
+# Why: a worker writes each message whole, so once its first bytes are here the rest follows at
+# memory speed (64 MiB in well under a second); a frame still incomplete after this is a broken peer.
+FRAME_READ_TIMEOUT_S = 10.0
 _LOAD_REFUSAL_CODES = frozenset({"bundle_invalid", "load_failed"})
 # The folder holding the omnigraph package: put on the worker's PYTHONPATH so an interpreter that
 # has only numpy + onnxruntime + onnx installed can import the worker.
@@ -80,6 +89,8 @@ class WorkerClient:
         self._process = process
         self._sock = sock
         self._wait_for_reply = wire.SpinWait(sock, route.spin_wait_us)
+        self._readable = select.poll()
+        self._readable.register(sock, select.POLLIN)  # hang-ups and errors are always reported too
         self._private_dir = private_dir
         self._call_lock = threading.Lock()
         self._send_lock = threading.Lock()
@@ -89,6 +100,7 @@ class WorkerClient:
         self._sent_epoch = 0
         self._closed = False
         self._sock_timeout: float | None = None
+        self._awaiting: str | None = None  # the request id of the forward call in flight
         self.load_report: LoadReport | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -222,7 +234,7 @@ class WorkerClient:
 
         Raises LoadRefused (bundle_invalid, load_failed) or PlacementRefused (``.report``)."""
         with _OneCall(self):
-            _, body, _ = self._send_and_receive(
+            _, body = self._send_and_receive(
                 "load", expect="loaded", body={"manifest_path": os.fspath(manifest_path)}, timeout=timeout
             )
         self.load_report = LoadReport.from_dict(body)
@@ -237,17 +249,64 @@ class WorkerClient:
         epoch: int,
         timeout: float | None = None,
     ) -> dict[str, np.ndarray]:
-        """One forward call; blocking, one in flight (a second concurrent call: WorkerBusy)."""
-        with _OneCall(self):
+        """One forward call; blocking, one in flight (a second concurrent call: WorkerBusy). No
+        reply within ``timeout``: the worker is retired (killed) and WorkerTimeout raised."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.submit(inputs, request_id=request_id, stage_id=stage_id, epoch=epoch, timeout=timeout)
+        outputs = self.result(deadline)
+        if outputs is None:
+            self._awaiting = None
+            self._call_lock.release()
+            raise self._retire_silent("run", timeout)
+        return outputs
+
+    def submit(self, inputs: Mapping[str, np.ndarray], *, request_id: str, stage_id: int, epoch: int,
+               timeout: float | None = None) -> None:
+        """Send one forward call and return; ``result`` takes its reply. The call is in flight (a
+        second one: WorkerBusy) until ``result`` returns outputs or raises. CallRefused: refused
+        before sending (the worker never saw it). ``timeout`` bounds the send alone."""
+        guard = _OneCall(self)
+        guard.__enter__()
+        try:
             if epoch < self._min_epoch:
                 raise wire.StaleEpoch(f"epoch {epoch} is below the fenced epoch {self._min_epoch}")
-            frame, _, arrays = self._send_and_receive(
-                "run", expect="result", tensors=inputs, request_id=request_id, stage_id=stage_id, epoch=epoch,
-                timeout=timeout, binary=self._binary_header,
-            )
+            self._set_timeout(None if timeout is None else time.monotonic() + timeout)
+            try:
+                self._send("run", tensors=inputs, request_id=request_id, stage_id=stage_id, epoch=epoch,
+                           binary=self._binary_header)
+            except socket.timeout:  # cut off mid-frame: the stream is lost
+                raise self._retire_silent("run", timeout) from None
+            except (BrokenPipeError, ConnectionResetError):
+                raise self._died("run") from None
+        except BaseException:
+            self._call_lock.release()
+            raise
+        self._awaiting = request_id
+
+    def result(self, until: float | None) -> dict[str, np.ndarray] | None:
+        """The reply to the call ``submit`` sent, or None when none came by ``until``
+        (time.monotonic; None waits for it): nothing is consumed then, the call is still in flight
+        and ``result`` may be asked again. A reply below the fenced epoch raises StaleEpoch: the
+        call is over, its outputs discarded, and the worker serves on."""
+        request_id = self._awaiting
+        if request_id is None:
+            raise RuntimeError("result() without a call in flight: submit() one first")
+        try:
+            received = self._receive(until)
+            if received is None:
+                return None
+            frame, arrays = received
+            self._awaiting = None
+            self._check_reply(frame, "result", request_id)
             if frame.epoch < self._min_epoch:
                 raise wire.StaleEpoch(f"reply for epoch {frame.epoch} discarded: fenced at {self._min_epoch}")
             return arrays
+        except BaseException:
+            self._awaiting = None
+            raise
+        finally:
+            if self._awaiting is None:
+                self._call_lock.release()
 
     def fence(self, epoch: int) -> None:
         """Raise the minimum epoch now; replies and calls below it are refused from here on."""
@@ -264,7 +323,7 @@ class WorkerClient:
     def stats(self, *, timeout: float | None = 10.0) -> dict[str, Any]:
         """RSS, peak RSS, device memory (where available) and call counters of the worker."""
         with _OneCall(self):
-            _, body, _ = self._send_and_receive("stats", expect="stats_result", timeout=timeout)
+            _, body = self._send_and_receive("stats", expect="stats_result", timeout=timeout)
         return body
 
     # ------------------------------------------------------------------------------------------
@@ -287,24 +346,27 @@ class WorkerClient:
                 raise CallRefused(exc.code, str(exc)) from None
             self._sent_epoch = max(self._sent_epoch, epoch)
 
-    def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None, request_id: str = "",
-                          stage_id: int = 0, epoch: int | None = None, body: Mapping[str, Any] | None = None,
-                          tensors: Mapping[str, np.ndarray] | None = None,
-                          binary: bool = False) -> tuple[wire.Frame, dict[str, Any], dict[str, np.ndarray]]:
+    def _send_and_receive(self, msg_type: str, *, expect: str, timeout: float | None,
+                          body: Mapping[str, Any] | None = None) -> tuple[wire.Frame, dict[str, Any]]:
+        """A control message (load, stats, close) and its reply; no reply within ``timeout``: the
+        worker is retired (killed) and WorkerTimeout raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             self._set_timeout(deadline)  # the send too is bounded by this call's deadline, and only by it
-            self._send(msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch, body=body, tensors=tensors,
-                       binary=binary)
-            frame, arrays = self._receive(deadline)
-        except socket.timeout:  # no reply in time, or a send cut off mid-frame: either way the stream is lost
-            self.kill()
-            self.wait_exit(DEATH_REAP_SECONDS)
-            raise WorkerTimeout(
-                f"worker {self.pid}: {msg_type!r} not answered within {timeout} s; the worker was retired (killed)"
-            ) from None
-        except (wire.PeerClosed, wire.TruncatedFrame, BrokenPipeError, ConnectionResetError):
+            self._send(msg_type, body=body)
+            received = self._receive(deadline)
+        except socket.timeout:  # a send cut off mid-frame: the stream is lost
+            raise self._retire_silent(msg_type, timeout) from None
+        except (BrokenPipeError, ConnectionResetError):
             raise self._died(msg_type) from None
+        if received is None:
+            raise self._retire_silent(msg_type, timeout)
+        frame, _ = received
+        self._check_reply(frame, expect, "")
+        return frame, frame.body
+
+    def _check_reply(self, frame: wire.Frame, expect: str, request_id: str) -> None:
+        """Refuse a reply from another worker, an error reply, or an answer to another message."""
         if frame.generation != self.generation:
             raise wire.StaleGeneration(f"reply from generation {frame.generation}, expected {self.generation}")
         if frame.instance != self.hello.instance:
@@ -315,26 +377,37 @@ class WorkerClient:
             raise wire.MalformedHeader(
                 f"expected a {expect!r} reply to request {request_id!r}, got {frame.type!r} for {frame.request_id!r}"
             )
-        return frame, frame.body, arrays
 
-    def _receive(self, deadline: float | None) -> tuple[wire.Frame, dict[str, np.ndarray]]:
+    def _receive(self, until: float | None) -> tuple[wire.Frame, dict[str, np.ndarray]] | None:
         """The worker's next message: from the mailbox when its doorbell says so, else from the
-        socket. No reply by ``deadline``: socket.timeout."""
+        socket; None when nothing arrived by ``until`` (nothing is consumed then). A message once
+        begun must arrive whole within FRAME_READ_TIMEOUT_S, or the worker is retired."""
         mailbox = self._mailbox
-        if mailbox is None:
-            self._wait_for_reply()
-        else:
-            length = mailbox.receive(self.route.spin_wait_us, deadline, self._sock)
-            if length is None:
-                raise socket.timeout("no reply before the deadline")
-            if length:
-                return wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=self.route.max_io_bytes)
-            if deadline is not None:  # the doorbell's wait spent part of it
-                self._set_timeout(deadline)
-        frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
-        if deadline is not None:
-            self._set_timeout(deadline)
-        return frame, wire.read_payload(self._sock, frame)
+        try:
+            if mailbox is None:
+                self._wait_for_reply()
+                if not self._readable.poll(_poll_ms(until)):
+                    return None
+            else:
+                length = mailbox.receive(self.route.spin_wait_us, until, self._sock)
+                if length is None:
+                    return None
+                if length:
+                    return wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=self.route.max_io_bytes)
+            self._set_timeout(time.monotonic() + FRAME_READ_TIMEOUT_S)
+            frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
+            return frame, wire.read_payload(self._sock, frame)
+        except socket.timeout:
+            raise self._retire_silent("a message", FRAME_READ_TIMEOUT_S) from None
+        except (wire.PeerClosed, wire.TruncatedFrame, BrokenPipeError, ConnectionResetError):
+            raise self._died("a call") from None
+
+    def _retire_silent(self, during: str, timeout: float | None) -> WorkerTimeout:
+        """The worker did not answer in time: kill it (a call cannot be pre-empted) and say so."""
+        self.kill()
+        self.wait_exit(DEATH_REAP_SECONDS)
+        return WorkerTimeout(f"worker {self.pid}: {during!r} not answered within {timeout} s; "
+                             "the worker was retired (killed)")
 
     def _set_timeout(self, deadline: float | None) -> None:
         """The socket's timeout for the rest of a call (only a change costs a system call)."""
@@ -376,6 +449,11 @@ class _OneCall:
 
     def __exit__(self, *exc_info: object) -> None:
         self._client._call_lock.release()
+
+
+def _poll_ms(until: float | None) -> int | None:
+    """select.poll's timeout until ``until`` (time.monotonic): None waits for ever, 0 does not wait."""
+    return None if until is None else max(0, int((until - time.monotonic()) * 1000) + 1)
 
 
 def _new_mailbox(route: WorkerRoute) -> Mailbox | None:
