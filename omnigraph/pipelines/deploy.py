@@ -197,8 +197,9 @@ class ResourceBudgetConfig(_Strict):
 
 
 class RestartConfig(_Strict):
-    """How often a retired replica is replaced: at most `max_restarts` within any `window_s`
-    seconds; one more retirement fails the stage for good (0: never replace)."""
+    """How often a retired replica is replaced: at most `max_restarts` starts within any
+    `window_s` seconds; past that the stage backs off (growing delays) and starts again once the
+    window allows, so it never fails for good (0: never replace, the operator's explicit choice)."""
 
     max_restarts: int = Field(default=DEFAULT_MAX_RESTARTS, ge=0)
     window_s: float = Field(default=DEFAULT_RESTART_WINDOW_S, gt=0)

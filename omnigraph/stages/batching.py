@@ -246,6 +246,12 @@ class StageQueue:
             self._entries.append(entry)
             self._ready.notify_all()
 
+    def requeue(self, entries: Sequence[Queued]) -> None:
+        """Put entries a replica took but could not call back at the front, in their order."""
+        with self._ready:
+            self._entries.extendleft(reversed(entries))
+            self._ready.notify_all()
+
     def stop_one(self) -> None:
         """Queue a shutdown marker: the replica that takes it stops serving."""
         with self._ready:

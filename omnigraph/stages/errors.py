@@ -41,9 +41,13 @@ class StageStartupError(StageError):
         self.replica = replica
 
 
+class StartupCancelled(StageError):
+    """The pipeline's start was cancelled (a signal); everything started so far was unwound."""
+
+
 class StageUnavailable(StageError):
-    """A stage has no live replica: `retry_after` seconds while a replacement is starting, None
-    once the stage has failed for good (the pipeline must be recreated)."""
+    """A stage cannot serve now: `retry_after` seconds while it recovers (a replacement starting,
+    a backoff, a changed bundle), None only for a stage down for good (`max_restarts: 0`)."""
 
     def __init__(self, message: str, *, retry_after: float | None = None) -> None:
         super().__init__(message)

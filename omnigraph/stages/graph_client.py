@@ -3,19 +3,20 @@
 Each replica owns a dedicated thread taking work from its stage's shared queue, so a replica has
 exactly one call in flight (the worker's rule) and idle replicas pick up work as soon as it is
 queued. One call serves a batch of work items (see batching.py; one item unless the stage
-batches), packed and unpacked by the stage's batch adapter. A call cannot be pre-empted:
-cancelling every request of a call, a deadline passing inside one, or any fault that leaves the
-worker in doubt *retires* the replica: its worker is killed, its reservation stays quarantined
-until the OS confirms the process is gone, then it is released and the stage may start a
-replacement (runtime.py); every request of that call fails with a retryable StageUnavailable (any
-of them may have killed the worker, so none is re-queued onto the replacement).
+batches), packed and unpacked by the stage's batch adapter.
+
+The fault model (DESIGN.md "Wire"): a call cannot be pre-empted, so a request cancelled or past
+its deadline while its call runs does not kill the worker. The request fails at once (a deadline
+fails only the requests whose deadline passed; batch-mates complete); once no request of the call
+still waits, the call is *fenced*: the replica's epoch rises, the worker is told, and the late
+reply is discarded when it comes. The worker is retired only when it dies, breaks the wire, or
+does not answer within `hang_grace_s` of its call being fenced (truly hung): then its reservation
+stays quarantined until the OS confirms the process is gone, every request of the call fails with
+a retryable StageUnavailable, and the stage starts a replacement (runtime.py).
 
 Errors stay per request: a merged call refused for a request-level fault (bad input, an ORT
 error, tensors the wire cannot carry: more bytes than the route's max_io_bytes, in or out) is run
-again item by item, so only the faulty request fails and the worker keeps serving. Cancelling one
-request of a batch whose other requests still wait leaves the call running and drops that
-request's rows at unpack: killing the worker would fail (or, re-queued, delay by a worker restart
-of seconds) every batch-mate, while finishing costs at most one call's worth of wasted rows.
+again item by item, so only the faulty request fails and the worker keeps serving.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from omnigraph.stages.batching import STOP, Queued, combined
 from omnigraph.stages.errors import DeadlineExceeded, StageError, StageUnavailable
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.workers.errors import CallRefused, RemoteError, WorkerTimeout
+from omnigraph.workers.wire import StaleEpoch
 
 if TYPE_CHECKING:
     from omnigraph.stages.runtime import GraphStage
@@ -39,6 +41,13 @@ if TYPE_CHECKING:
 EXIT_VERIFY_TIMEOUT_S = 10.0
 # Why: a replacement worker starts and warms up within seconds; clients retry after about this long.
 REPLACEMENT_RETRY_AFTER_S = 1.0
+# Why: a call whose requests are all gone still runs to its end on the worker; the longest honest
+# call (64 questions of 512 tokens on a CPU) takes a few seconds, so a worker silent this long after
+# its call was fenced is hung, not busy.
+DEFAULT_HANG_GRACE_S = 10.0
+# Why: while a call runs, its replica looks this often for requests that were cancelled or whose
+# deadline passed (a cancellation is noticed within this, with no wake-up from the cancelling thread).
+CALL_POLL_S = 0.02
 # A worker refusing one request (bad input, an ORT error, outputs the wire cannot carry) stays
 # usable; these codes say so.
 _REQUEST_LEVEL_CODES = frozenset({
@@ -51,7 +60,6 @@ class WorkItem(Protocol):
     """What a replica needs from the orchestrator's unit of work."""
 
     request_id: str
-    epoch: int
     tensors: Mapping[str, np.ndarray]
 
     def is_live(self) -> bool: ...
@@ -71,7 +79,8 @@ class GraphStageClient:
     """One started, loaded and warmed-up worker serving a stage's queue."""
 
     def __init__(self, stage: GraphStage, replica: int, client: WorkerClient, reservation: Reservation,
-                 ledger: ResourceLedger, load_report: LoadReport, *, restarts: int = 0) -> None:
+                 ledger: ResourceLedger, load_report: LoadReport, *, restarts: int = 0,
+                 hang_grace_s: float = DEFAULT_HANG_GRACE_S) -> None:
         self.stage = stage
         self.replica = replica
         self.client = client
@@ -81,7 +90,9 @@ class GraphStageClient:
         self._ledger = ledger
         self._lock = threading.Lock()
         self._current: Sequence[WorkItem] = ()
-        self._interrupt_reason: str | None = None
+        self._epoch = 0  # the epoch of this replica's calls: raised by every fence
+        self.fenced_calls = 0
+        self.hang_grace_s = hang_grace_s
         self.retired_reason: str | None = None
         self.exit_verified: bool | None = None
         self.calls = 0
@@ -92,14 +103,12 @@ class GraphStageClient:
 
     @property
     def serving(self) -> bool:
-        """False from the moment the replica is interrupted or retired: it takes no more work."""
-        return self.retired_reason is None and self._interrupt_reason is None
+        """False from the moment the replica is retired: it takes no more work."""
+        return self.retired_reason is None
 
     @property
     def state(self) -> str:
-        if self.retired_reason is not None:
-            return "retired"
-        return "serving" if self._interrupt_reason is None else "retiring"
+        return "serving" if self.retired_reason is None else "retired"
 
     def start_serving(self) -> None:
         self._thread.start()
@@ -110,18 +119,6 @@ class GraphStageClient:
             return True
         self._thread.join(timeout)
         return not self._thread.is_alive()
-
-    def interrupt(self, request_id: str, reason: str) -> bool:
-        """Retire this replica if its call in flight serves `request_id` and no other request that
-        still waits (calls cannot be pre-empted; a cancelled request's rows are dropped otherwise)."""
-        with self._lock:
-            current = self._current
-            if (self._interrupt_reason is not None or not any(item.request_id == request_id for item in current)
-                    or any(item.is_live() for item in current)):
-                return False
-            self._interrupt_reason = reason
-        self.client.kill()
-        return True
 
     def describe(self) -> dict[str, Any]:
         """This replica's part of the execution plan."""
@@ -137,6 +134,8 @@ class GraphStageClient:
             "exit_verified": self.exit_verified,
             "calls": self.calls,
             "items": self.items,
+            "fenced_calls": self.fenced_calls,
+            "epoch": self._epoch,
             "route": self.stage.route.to_dict(),
             "reservation": dict(self.reservation.demands),
             "placement": self.load_report.placement.to_dict(),
@@ -150,9 +149,30 @@ class GraphStageClient:
         until the OS confirms the exit, then the stage hears that the replica is gone. The `failed`
         work items get `error` once the stage already reports the retirement, so whoever sees the
         error also sees the stage's state."""
-        if self.retired_reason is not None:
-            return
-        self.retired_reason = reason
+        with self._lock:
+            if self.retired_reason is not None:
+                return
+            self.retired_reason = reason
+        self._settle_retirement(failed, error)
+
+    def kill_if_busy(self) -> None:
+        """At shutdown: a call in flight is not waited for; its worker is killed (the replica
+        thread then retires it, and a closing stage replaces nothing)."""
+        with self._lock:
+            if self._current:
+                self.client.kill()
+
+    def retire_if_idle(self, reason: str) -> bool:
+        """Retire the replica unless a call is in flight (whose thread then sees the fault itself):
+        what the stage does when a worker dies between calls. True if it retired here."""
+        with self._lock:
+            if self.retired_reason is not None or self._current:
+                return False
+            self.retired_reason = reason
+        self._settle_retirement((), None)
+        return True
+
+    def _settle_retirement(self, failed: Sequence[WorkItem], error: BaseException | None) -> None:
         if self.stage.replica_retired(self) and isinstance(error, StageUnavailable):
             error.retry_after = REPLACEMENT_RETRY_AFTER_S  # another replica serves, or a replacement comes
         for item in failed:
@@ -168,9 +188,10 @@ class GraphStageClient:
 
     def close(self, timeout: float) -> None:
         """Stop the worker after shutdown; falls back to kill, releases the reservation once gone."""
-        if self.retired_reason is not None:
-            return
-        self.retired_reason = "shut down"
+        with self._lock:
+            if self.retired_reason is not None:
+                return
+            self.retired_reason = "shut down"
         try:
             self.client.close(timeout=timeout)
         except Exception:  # a worker that will not stop politely is killed below
@@ -214,8 +235,6 @@ class GraphStageClient:
         items: list[WorkItem] = [entry.item for entry in entries]
         adapter = self.stage.queue.adapter
         tensors = [item.tensors for item in items]
-        remaining = [item.remaining() for item in items]
-        timeout = None if None in remaining else max(remaining)  # type: ignore[type-var]
         first = items[0]
         call_id = first.request_id if len(items) == 1 else f"{first.request_id}+{len(items) - 1}"
         try:
@@ -224,36 +243,35 @@ class GraphStageClient:
             for item in items:
                 item.fail(exc)
             return True
-        self.stage.batch_stats.record_call(adapter.padded(combined(entries)), len({item.request_id for item in items}))
         with self._lock:
+            if self.retired_reason is not None:  # the worker died while idle: the work goes back
+                self.stage.requeue(entries)
+                return False
             self._current = items
+        self.stage.batch_stats.record_call(adapter.padded(combined(entries)), len({item.request_id for item in items}))
         started = time.perf_counter()
         try:
-            outputs = self.client.run(inputs, request_id=call_id[:256], stage_id=self.stage.stage_id,
-                                      epoch=first.epoch, timeout=timeout)
+            self.client.submit(inputs, request_id=call_id[:256], stage_id=self.stage.stage_id, epoch=self._epoch,
+                               timeout=self.hang_grace_s)
+            outputs = self._await_reply(items, call_id)
         except BaseException as exc:  # every failure is routed: to the requests, and maybe retirement
-            interrupted = self._end_call()
-            if interrupted is None and _request_level(exc):
+            self._end_call()
+            if _request_level(exc):
                 if len(entries) > 1:
                     return self._call_each(entries)
                 first.fail(exc)
                 return True
-            cause = f"{type(exc).__name__}: {exc}"
-            if isinstance(exc, WorkerTimeout):
-                error: StageError = DeadlineExceeded(f"request {call_id}: deadline passed inside stage {self.stage.stage_id}")
-            else:
-                error = StageUnavailable(
-                    f"stage {self.stage.stage_id} replica {self.replica} failed during request {call_id}: {cause}")
+            error = StageUnavailable(f"stage {self.stage.stage_id} replica {self.replica} failed during request "
+                                     f"{call_id}: {type(exc).__name__}: {exc}")
             error.__cause__ = exc
-            self.retire(interrupted or cause, failed=items, error=error)
+            self.retire(f"{type(exc).__name__}: {exc}", failed=items, error=error)
             return False
         seconds = time.perf_counter() - started
-        interrupted = self._end_call()
+        self._end_call()
         self.calls += 1
         self.items += len(items)
-        if interrupted is not None:  # killed just as the call returned: the worker is gone
-            self.retire(interrupted)
-            return False
+        if outputs is None:  # fenced: every request of the call was gone; the worker serves on
+            return True
         try:
             shares = adapter.unpack(outputs, tensors)
         except Exception as exc:  # the graph's outputs do not fit its adapter: every item fails, the worker is fine
@@ -264,6 +282,37 @@ class GraphStageClient:
             if item.is_live():
                 item.complete(share, seconds)
         return True
+
+    def _await_reply(self, items: Sequence[WorkItem], call_id: str) -> dict[str, np.ndarray] | None:
+        """The call's outputs, or None once the call was fenced and its late reply discarded.
+
+        While waiting: a request whose deadline passes fails at once (DeadlineExceeded); once no
+        request of the call still waits, the call is fenced; a worker silent for `hang_grace_s`
+        after that raises WorkerTimeout (it is hung: the caller retires it)."""
+        client = self.client
+        now = time.monotonic()
+        due = [None if (left := item.remaining()) is None else now + left for item in items]
+        hang_at: float | None = None
+        while True:
+            try:
+                outputs = client.result(time.monotonic() + CALL_POLL_S)
+            except StaleEpoch:
+                return None
+            if outputs is not None:
+                return outputs if hang_at is None else None
+            now = time.monotonic()
+            for deadline, item in zip(due, items):
+                if deadline is not None and deadline <= now and item.is_live():
+                    item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage "
+                                               f"{self.stage.stage_id}; its call was left to finish"))
+            if hang_at is None and not any(item.is_live() for item in items):
+                self._epoch += 1
+                client.fence(self._epoch)
+                self.fenced_calls += 1
+                hang_at = now + self.hang_grace_s
+            elif hang_at is not None and now >= hang_at:
+                raise WorkerTimeout(f"worker {client.pid}: call {call_id} not answered within {self.hang_grace_s:g} s "
+                                    "after it was fenced; the worker is hung")
 
     def _call_each(self, entries: list[Queued]) -> bool:
         """One call per entry; if the replica retires meanwhile, the entries not yet run go back
@@ -278,8 +327,7 @@ class GraphStageClient:
                 return False
         return True
 
-    def _end_call(self) -> str | None:
-        """The call is over: nothing is in flight; why the replica was interrupted meanwhile, if it was."""
+    def _end_call(self) -> None:
+        """The call is over: nothing is in flight."""
         with self._lock:
             self._current = ()
-            return self._interrupt_reason

@@ -391,6 +391,15 @@ class NativeStage:
         self.check_available()
         self.replicas[0].submit(item)
 
+    def status(self) -> tuple[str, str | None]:
+        """("failed", why) once the engine died (a vLLM engine is not replaced), else ("ok", None)."""
+        return ("ok", None) if self.failure is None else ("failed", self.failure)
+
+    def interrupt(self, request_id: str, reason: str) -> None:
+        """Abort the request's engine calls (the engine stays)."""
+        for replica in self.replicas:
+            replica.interrupt(request_id, reason)
+
     def check_available(self) -> None:
         if self.failure is not None:
             raise StageUnavailable(f"stage {self.stage_id} has no live engine ({self.failure}); recreate the pipeline")

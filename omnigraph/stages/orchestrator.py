@@ -156,11 +156,6 @@ class _WorkItem:
         self.tensors = tensors
         self.request_id = request.request_id
 
-    @property
-    def epoch(self) -> int:
-        """The pipeline's cancellation epoch when the call is dispatched (never decreases)."""
-        return self._orchestrator.epoch
-
     def is_live(self) -> bool:
         return not self.request.finished
 
@@ -193,7 +188,6 @@ class Orchestrator:
         # ids of requests admitted without one: unique without a random draw (a system call) each
         self._id_prefix = uuid.uuid4().hex[:16]
         self._id_counter = itertools.count()
-        self.epoch = 0
         self._closed = False
 
     @property
@@ -250,23 +244,17 @@ class Orchestrator:
                 del self._active[request.request_id]
 
     def abort(self, request_id: str) -> bool:
-        """Cancel a request: queued work leaves undispatched; a call in flight retires its worker.
-
-        The cancellation epoch moves on, so every call dispatched from now on is newer than the
-        cancelled one.
-        """
+        """Cancel a request: it fails at once; queued work leaves undispatched; a graph call in
+        flight is fenced once none of its requests waits (its worker serves on), a native one aborted."""
         request = self._active.get(request_id)
         if request is None or not request.reject(RequestCancelled(f"request {request_id} was aborted")):
             return False
-        with self._lock:
-            self.epoch += 1
         self._interrupt(request_id, f"request {request_id} cancelled during its call")
         return True
 
     def _interrupt(self, request_id: str, reason: str) -> None:
         for stage in self._chain:
-            for replica in list(stage.replicas):
-                replica.interrupt(request_id, reason)
+            stage.interrupt(request_id, reason)
 
     def close(self) -> None:
         """Refuse new requests and fail every unfinished one; calls in flight for them retire their

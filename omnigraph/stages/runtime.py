@@ -10,13 +10,17 @@ load and warm up each replica's worker (the worker refuses a placement that brea
 Any failure unwinds everything started so far and releases every reservation, so a refused plan
 leaves no process and no charge behind.
 
-A retired replica (graph_client.py) is replaced in the background, never on a request's path:
-once the OS has confirmed its worker's exit and its reservation is released, a new worker
-generation of the same stage reserves the stage's demands again, starts, loads and warms up, then
-joins the stage's queue. The deploy key `restart` bounds this (RestartBudget); a start that fails
-counts as a restart and gives back all it took. While a stage has no live replica its requests
-fail at once with StageUnavailable: with `retry_after` while a replacement is on its way, without
-once the budget is spent and the stage has failed for good.
+A retired replica (graph_client.py: a worker that died, broke the wire or hung; never a client's
+cancellation or deadline) is replaced in the background, never on a request's path: once the OS
+has confirmed its worker's exit and its reservation is released, a new worker generation of the
+same stage reserves the stage's demands again, starts, loads and warms up, then joins the stage's
+queue. A worker that dies while idle is noticed at once (StageMonitor) and replaced eagerly. The
+deploy key `restart` bounds the starts (RestartBudget); past it the stage backs off with growing
+delays and recovers by itself, and a start that fails counts as a restart and gives back all it
+took. Each bundle is re-verified every `reverify_interval_s` and before every replacement start: a
+changed file turns the stage unavailable, naming it, until the verified bytes are back. While a
+stage has no live replica its requests fail at once with a retryable StageUnavailable; only a
+stage whose operator declared `max_restarts: 0` stays down for good.
 """
 
 from __future__ import annotations
@@ -24,17 +28,28 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from typing import Any, Callable, Mapping
+import time
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
 from omnigraph.bundles import VerifiedBundle, verify_bundle
+from omnigraph.bundles.watch import BundleWatch
 from omnigraph.pipelines.config import PipelineConfig, StageExecutionType, StagePipelineConfig
 from omnigraph.pipelines.deploy import DeployConfig, StageDeployConfig
 from omnigraph.pipelines.registry import resolve_dotted
-from omnigraph.stages.batching import AxisZeroAdapter, BatchAdapter, BatchLimits, BatchStats, StageQueue, batch_axis_problem
-from omnigraph.stages.errors import StageStartupError, StageUnavailable
-from omnigraph.stages.graph_client import REPLACEMENT_RETRY_AFTER_S, GraphStageClient
+from omnigraph.stages.batching import (
+    AxisZeroAdapter,
+    BatchAdapter,
+    BatchLimits,
+    BatchStats,
+    Queued,
+    StageQueue,
+    batch_axis_problem,
+)
+from omnigraph.stages.errors import StageStartupError, StageUnavailable, StartupCancelled
+from omnigraph.stages.graph_client import DEFAULT_HANG_GRACE_S, REPLACEMENT_RETRY_AFTER_S, GraphStageClient
+from omnigraph.stages.monitor import StageMonitor
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.native_client import NativeStage, ServedEngine
 from omnigraph.stages.ledger import Reservation, ResourceLedger
@@ -108,14 +123,24 @@ class GraphStage:
         self.handoff: HandoffFunc = (
             resolve_dotted(config.custom_process_input_func) if config.custom_process_input_func else outputs_as_inputs
         )
-        self.failure: str | None = None
+        self.failure: str | None = None            # down for good: only with `max_restarts: 0`
+        self.bundle_problem: str | None = None     # the bundle on disk is no longer the verified one
+        self.backoff_until: float | None = None    # a replacement waits for the restart budget until then
         self.restart_budget = RestartBudget(deploy.restart.max_restarts, deploy.restart.window_s)
+        self.watch = BundleWatch(bundle)
         self._replacing: set[int] = set()         # slots whose replacement is due or starting
         self._launches: list[Launched] = []        # workers being started by replacements
         self._threads: list[threading.Thread] = []
         self._start_replacement = start_replacement
-        self._closing = False
+        self._closing = threading.Event()
         self._lock = threading.Lock()
+        self.monitor: StageMonitor | None = None  # set by the runtime once the stage serves
+
+    def serve(self, replica: GraphStageClient) -> None:
+        """Start a replica's thread, its worker's exit watched by the monitor."""
+        replica.start_serving()
+        if self.monitor is not None:
+            self.monitor.watch_exit(replica.client.pid, lambda: self.worker_exited(replica))
 
     def check_batching(self) -> None:
         """Refuse a declared `max_batch_rows` the loaded bundle's I/O cannot honour."""
@@ -130,34 +155,78 @@ class GraphStage:
             self._check_live_locked()
             self.queue.put(item)
 
+    def requeue(self, entries: Sequence[Queued]) -> None:
+        """Entries a retired replica took but never called: to the next live replica, or failed."""
+        with self._lock:
+            try:
+                self._check_live_locked()
+            except StageUnavailable as exc:
+                for entry in entries:
+                    entry.item.fail(exc)
+                return
+            self.queue.requeue(entries)
+
     def check_available(self) -> None:
         """Raise StageUnavailable unless a replica is live."""
         with self._lock:
             self._check_live_locked()
 
+    def interrupt(self, request_id: str, reason: str) -> None:
+        """Nothing to do: a replica notices within CALL_POLL_S that its call's requests are gone
+        and fences the call (graph_client.py)."""
+
     def _check_live_locked(self) -> None:
         if self.failure is not None:
             raise self._failed_error()
-        if not any(r.serving for r in self.replicas):
-            raise StageUnavailable(f"stage {self.stage_id} has no live replica: one is retiring or a replacement is starting",
+        if self.bundle_problem is not None:
+            raise StageUnavailable(f"stage {self.stage_id} is unavailable: {self.bundle_problem}",
                                    retry_after=REPLACEMENT_RETRY_AFTER_S)
+        if not any(r.serving for r in self.replicas):
+            raise StageUnavailable(f"stage {self.stage_id} has no live replica: {self._recovery_locked()}",
+                                   retry_after=self._retry_after_locked())
+
+    def _recovery_locked(self) -> str:
+        if self.backoff_until is not None:
+            return (f"backing off for {max(0.0, self.backoff_until - time.monotonic()):.1f} s "
+                    f"(restart budget of {self.restart_budget.describe()} spent)")
+        return "a replacement is starting"
+
+    def _retry_after_locked(self) -> float:
+        if self.backoff_until is not None:
+            return max(REPLACEMENT_RETRY_AFTER_S, self.backoff_until - time.monotonic())
+        return REPLACEMENT_RETRY_AFTER_S
 
     def _failed_error(self) -> StageUnavailable:
-        """What every request to a stage failed for good gets (no retry: recreate the pipeline)."""
+        """What every request to a stage down for good gets (no retry: recreate the pipeline)."""
         return StageUnavailable(f"stage {self.stage_id} has no live replica ({self.failure}); recreate the pipeline")
 
-    def replica_retired(self, replica: GraphStageClient) -> bool:
-        """Called by a retiring replica: decide (budget permitting) to replace it; while no replica
-        is live, everything queued here fails at once. True while the stage can still serve (a
-        live replica, or one on its way), so a retry is worth it."""
+    def status(self) -> tuple[str, str | None]:
+        """("ok" | "degraded" | "recovering" | "unavailable" | "failed", why): degraded while some
+        replica slots are being replaced, recovering while none serves but one is on its way."""
         with self._lock:
-            reason = f"replica {replica.replica} retired: {replica.retired_reason}"
-            if not self._closing and self.failure is None:
-                if self.restart_budget.spend():
+            live = sum(r.serving for r in self.replicas)
+            if self.failure is not None:
+                return "failed", self.failure
+            if self.bundle_problem is not None:
+                return "unavailable", self.bundle_problem
+            if live == 0:
+                return "recovering", f"no live replica: {self._recovery_locked()}"
+            if live < len(self.replicas) or self._replacing:
+                return "degraded", f"{live} of {self.deploy.num_replicas} replicas serve; {self._recovery_locked()}"
+            return "ok", None
+
+    def replica_retired(self, replica: GraphStageClient) -> bool:
+        """Called by a retiring replica: its slot is to be replaced (unless the stage closes or its
+        operator declared `max_restarts: 0`); while no replica is live, everything queued here
+        fails at once. True while the stage can still serve, so a retry is worth it."""
+        with self._lock:
+            if not self._closing.is_set() and self.failure is None:
+                if self.restart_budget.max_restarts > 0:
                     self._replacing.add(replica.replica)
                 else:
-                    reason += f" (restart budget of {self.restart_budget.describe()} spent)"
-            self._fail_if_dead_locked(reason)
+                    self._fail_if_dead_locked(f"replica {replica.replica} retired: {replica.retired_reason} "
+                                              "(max_restarts is 0: never replaced)")
+            self._drain_if_dead_locked()
             return self.failure is None
 
     def replica_exited(self, replica: GraphStageClient) -> None:
@@ -165,37 +234,70 @@ class GraphStage:
         with self._lock:
             if replica.replica not in self._replacing:
                 return
-            if self._closing or not replica.exit_verified:
+            if self._closing.is_set() or not replica.exit_verified:
                 self._replacing.discard(replica.replica)
-                self._fail_if_dead_locked(f"replica {replica.replica} retired: {replica.retired_reason}"
-                                          + ("" if self._closing else "; its worker's exit was not verified, so it is not replaced"))
+                if not self._closing.is_set():
+                    self._fail_if_dead_locked(f"replica {replica.replica} retired: {replica.retired_reason}; its "
+                                              "worker's exit was not verified, so it is not replaced")
                 return
             thread = threading.Thread(target=self._replace, args=(replica.replica, replica.restarts + 1),
                                       name=f"omnigraph-stage{self.stage_id}-replace{replica.replica}", daemon=True)
             self._threads.append(thread)
             thread.start()
 
+    def worker_exited(self, replica: GraphStageClient) -> None:
+        """From the monitor: the replica's worker process is gone. An idle replica is retired (and
+        replaced) now; a busy one finds out on its call."""
+        returncode = replica.client.returncode
+        replica.retire_if_idle(f"worker {replica.client.pid} exited while idle"
+                               + ("" if returncode is None else f" with status {returncode}"))
+
+    def check_bundle(self) -> None:
+        """From the monitor: re-verify the bundle; a change turns the stage unavailable (naming the
+        file) and the verified bytes coming back turn it available again."""
+        problem = self.watch.check()
+        with self._lock:
+            if problem != self.bundle_problem:
+                logger.warning("stage %d: %s", self.stage_id, problem or "the bundle verifies again")
+            self.bundle_problem = problem
+            if problem is not None:
+                for item in self.queue.drain():
+                    item.fail(StageUnavailable(f"stage {self.stage_id} is unavailable: {problem}",
+                                               retry_after=REPLACEMENT_RETRY_AFTER_S))
+
     def _fail_if_dead_locked(self, reason: str) -> None:
+        if not any(r.serving for r in self.replicas) and not self._replacing and self.failure is None:
+            self.failure = reason
+
+    def _drain_if_dead_locked(self) -> None:
+        """With no live replica, queued work fails at once rather than wait for a replacement."""
         if any(r.serving for r in self.replicas):
             return
-        if self._replacing:
-            error = StageUnavailable(f"stage {self.stage_id} has no live replica ({reason}); a replacement is starting",
-                                     retry_after=REPLACEMENT_RETRY_AFTER_S)
-        else:
-            if self.failure is None:
-                self.failure = reason
-            error = self._failed_error()
+        error = self._failed_error() if self.failure is not None else StageUnavailable(
+            f"stage {self.stage_id} has no live replica: {self._recovery_locked()}", retry_after=self._retry_after_locked())
         for item in self.queue.drain():
             item.fail(error)
 
     def _replace(self, slot: int, restarts: int) -> None:
-        """In a background thread: start a new generation for `slot`, retrying within the budget."""
-        while True:
+        """In a background thread: start a new generation for `slot` once the restart budget and
+        the bundle allow, backing off with growing delays meanwhile; never gives up while open."""
+        while not self._closing.is_set():
+            problem = self.watch.check()  # outside the lock: a full check hashes the whole bundle
+            with self._lock:
+                self.bundle_problem = problem
+                if problem is not None or not self.restart_budget.spend():
+                    delay: float | None = self.restart_budget.backoff()
+                else:
+                    delay = None
+                self.backoff_until = None if delay is None else time.monotonic() + delay
+            if delay is not None:
+                logger.warning("stage %d: replica %d waits %.0f s before its replacement starts", self.stage_id, slot, delay)
+                self._closing.wait(delay)
+                continue
             launched: Launched = []
             with self._lock:
-                if self._closing:
-                    self._replacing.discard(slot)
-                    return
+                if self._closing.is_set():
+                    break
                 self._launches.append(launched)
             try:
                 replica = self._start_replacement(self, slot, restarts, launched)
@@ -203,38 +305,32 @@ class GraphStage:
                 logger.warning("stage %d: replacement of replica %d failed: %s", self.stage_id, slot, exc)
                 with self._lock:
                     self._launches.remove(launched)
-                    if self._closing:  # killed by the shutdown: nothing to report
-                        self._replacing.discard(slot)
-                        return
-                    if self.restart_budget.spend():
-                        restarts += 1
-                        continue
-                    self._replacing.discard(slot)
-                    self._fail_if_dead_locked(f"replacement of replica {slot} failed: {exc} "
-                                              f"(restart budget of {self.restart_budget.describe()} spent)")
-                return
+                restarts += 1
+                continue
             with self._lock:
                 self._launches.remove(launched)
                 self._replacing.discard(slot)
-                installed = not self._closing
+                installed = not self._closing.is_set()
                 if installed:
                     self.replicas[slot] = replica
-                    replica.start_serving()
+                    self.serve(replica)
             if not installed:
                 replica.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
             return
+        with self._lock:
+            self._replacing.discard(slot)
 
     def register_launch(self, launched: Launched, client: WorkerClient, reservation: Reservation) -> None:
         """Track a worker as soon as it exists, so a shutdown meanwhile can kill it."""
         with self._lock:
             launched.append((client, reservation))
-            if self._closing:
+            if self._closing.is_set():
                 client.kill()
 
     def stop_replacing(self) -> None:
         """No replacement starts from now on; workers being started are killed (their starts unwind)."""
         with self._lock:
-            self._closing = True
+            self._closing.set()
             for launched in self._launches:
                 for client, _ in launched:
                     client.kill()
@@ -246,6 +342,7 @@ class GraphStage:
         for thread in list(self._threads):
             thread.join()  # bounded: a start is killed above or ends within the startup timeout
         for replica in self.replicas:
+            replica.kill_if_busy()
             if replica.serving:
                 self.queue.stop_one()
         for replica in self.replicas:
@@ -256,6 +353,7 @@ class GraphStage:
     def describe(self) -> dict[str, Any]:
         with self._lock:
             replicas, replacing = list(self.replicas), sorted(self._replacing)
+        state, reason = self.status()
         return {
             **self.config.describe(),
             "manifest": {
@@ -265,6 +363,8 @@ class GraphStage:
             },
             "num_replicas": self.deploy.num_replicas,
             "live_replicas": sum(r.serving for r in replicas),
+            "state": state,
+            "state_reason": reason,
             "failure": self.failure,
             "batching": {**self.queue.limits.to_dict(), "adapter": self.config.batch_adapter,
                          "stats": self.batch_stats.snapshot()},
@@ -278,15 +378,20 @@ class StageRuntime:
     """All stages of one pipeline, started under one ledger."""
 
     def __init__(self, pipeline: PipelineConfig, deploy: DeployConfig, *, ledger: ResourceLedger | None = None,
-                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, served_engine: ServedEngine | None = None) -> None:
+                 startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, served_engine: ServedEngine | None = None,
+                 hang_grace_s: float = DEFAULT_HANG_GRACE_S) -> None:
         self.pipeline = pipeline
         self.deploy = deploy
         self.ledger = ledger if ledger is not None else ResourceLedger()
         self.startup_timeout = startup_timeout
         self.served_engine = served_engine
         self.stages: dict[int, GraphStage | NativeStage] = {}
+        self.hang_grace_s = hang_grace_s
         self._generations = itertools.count(1)
         self._closed = False
+        self._monitor: StageMonitor | None = None
+        self._cancelled = threading.Event()
+        self._starting: Launched = []
 
     @property
     def ordered_stages(self) -> list[GraphStage | NativeStage]:
@@ -311,9 +416,11 @@ class StageRuntime:
         reservations = self.ledger.reserve_all([
             (_owner(stage, replica), stage.deploy.resource_budget.demands) for stage, replica in owners
         ])
-        launched: Launched = []
+        launched = self._starting
         try:
             for (stage, replica), reservation in zip(owners, reservations):
+                if self._cancelled.is_set():
+                    raise StartupCancelled(f"the start was cancelled after {len(launched)} of {len(owners)} replicas")
                 if isinstance(stage, NativeStage):
                     stage.start(reservation, self.ledger)
                 else:
@@ -332,10 +439,14 @@ class StageRuntime:
             self._unwind(launched, reservations)
             raise
         self.stages = {stage.stage_id: stage for stage in stages}
+        self._monitor = StageMonitor()
         for stage in stages:
             if isinstance(stage, GraphStage):
+                stage.monitor = self._monitor
                 for replica in stage.replicas:
-                    replica.start_serving()
+                    stage.serve(replica)
+                if stage.deploy.reverify_interval_s is not None:
+                    self._monitor.every(stage.deploy.reverify_interval_s, stage.check_bundle)
 
     def _unwind(self, launched: Launched, reservations: list[Reservation]) -> None:
         """Kill every worker started so far; release each reservation (quarantine if an exit is unverified)."""
@@ -375,7 +486,8 @@ class StageRuntime:
             raise StageStartupError(stage.stage_id, replica, f"load and warmup refused: {exc}") from exc
         if report.manifest_sha256 != stage.bundle.manifest_sha256:
             raise StageStartupError(stage.stage_id, replica, "the worker loaded another manifest than the one verified here")
-        return GraphStageClient(stage, replica, client, reservation, self.ledger, report, restarts=restarts)
+        return GraphStageClient(stage, replica, client, reservation, self.ledger, report, restarts=restarts,
+                                hang_grace_s=self.hang_grace_s)
 
     def _start_replacement(self, stage: GraphStage, slot: int, restarts: int, launched: Launched) -> GraphStageClient:
         """A new generation for a retired slot: its own reservation, start, load, warmup; all of it
@@ -398,8 +510,25 @@ class StageRuntime:
         }
 
     def health(self) -> dict[int, str]:
-        """Stages failed for good -> why (empty while every stage has, or is replacing, a replica)."""
-        return {stage.stage_id: stage.failure for stage in self.ordered_stages if stage.failure is not None}
+        """Stages that cannot serve now -> why (empty while every stage has a live replica). A
+        stage recovering or unavailable comes back by itself; one `failed` does not."""
+        unhealthy = {}
+        for stage in self.ordered_stages:
+            state, reason = stage.status()
+            if state not in ("ok", "degraded"):
+                unhealthy[stage.stage_id] = f"{state}: {reason}"
+        return unhealthy
+
+    def stage_states(self) -> dict[int, tuple[str, str | None]]:
+        """Every stage's (state, why): see GraphStage.status."""
+        return {stage.stage_id: stage.status() for stage in self.ordered_stages}
+
+    def cancel_start(self) -> None:
+        """From another thread (a signal during startup): start no further replica, and kill the
+        workers being started now, so `start` unwinds at once."""
+        self._cancelled.set()
+        for client, _ in list(self._starting):
+            client.kill()
 
     def stop_replacing(self) -> None:
         """No retired replica is replaced from now on (the first step of a shutdown)."""
@@ -411,6 +540,8 @@ class StageRuntime:
         if self._closed:
             return
         self._closed = True
+        if self._monitor is not None:
+            self._monitor.stop()
         for stage in self.ordered_stages:
             stage.stop(timeout)
 
