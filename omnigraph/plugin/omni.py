@@ -198,13 +198,19 @@ class OmniBase:
         return self.processor.warmup_request()
 
     def health(self) -> dict[int, str]:
-        """Failed stages -> reason; empty while every stage has a live replica."""
+        """Stages that cannot serve now -> why ("recovering: ...", "unavailable: ...", "failed:
+        ..."); empty while every stage has a live replica."""
         return self.runtime.health()
 
     def failure(self) -> str | None:
-        """One line saying why the pipeline cannot serve, or None when it can."""
-        failed = self.runtime.health()
+        """One line saying why the pipeline is down for good, or None (it serves, or recovers by itself)."""
+        failed = {stage_id: reason for stage_id, (state, reason) in self.runtime.stage_states().items() if state == "failed"}
         return "; ".join(f"stage {stage_id}: {reason}" for stage_id, reason in failed.items()) or None
+
+    def recovering(self) -> str | None:
+        """One line saying which stages cannot serve now but recover by themselves, or None."""
+        down = {stage_id: reason for stage_id, reason in self.runtime.health().items() if not reason.startswith("failed")}
+        return "; ".join(f"stage {stage_id}: {reason}" for stage_id, reason in down.items()) or None
 
     def queue_depth(self) -> int:
         """Admitted requests not yet acknowledged (the admission bound applies to this)."""

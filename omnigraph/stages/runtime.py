@@ -126,6 +126,7 @@ class GraphStage:
         self.failure: str | None = None            # down for good: only with `max_restarts: 0`
         self.bundle_problem: str | None = None     # the bundle on disk is no longer the verified one
         self.backoff_until: float | None = None    # a replacement waits for the restart budget until then
+        self.last_retirement: str | None = None    # why the latest replica retired
         self.restart_budget = RestartBudget(deploy.restart.max_restarts, deploy.restart.window_s)
         self.watch = BundleWatch(bundle)
         self._replacing: set[int] = set()         # slots whose replacement is due or starting
@@ -186,10 +187,11 @@ class GraphStage:
                                    retry_after=self._retry_after_locked())
 
     def _recovery_locked(self) -> str:
+        cause = f" ({self.last_retirement})" if self.last_retirement else ""
         if self.backoff_until is not None:
             return (f"backing off for {max(0.0, self.backoff_until - time.monotonic()):.1f} s "
-                    f"(restart budget of {self.restart_budget.describe()} spent)")
-        return "a replacement is starting"
+                    f"(restart budget of {self.restart_budget.describe()} spent){cause}")
+        return f"a replacement is starting{cause}"
 
     def _retry_after_locked(self) -> float:
         if self.backoff_until is not None:
@@ -220,6 +222,7 @@ class GraphStage:
         operator declared `max_restarts: 0`); while no replica is live, everything queued here
         fails at once. True while the stage can still serve, so a retry is worth it."""
         with self._lock:
+            self.last_retirement = f"replica {replica.replica} retired: {replica.retired_reason}"
             if not self._closing.is_set() and self.failure is None:
                 if self.restart_budget.max_restarts > 0:
                     self._replacing.add(replica.replica)

@@ -53,6 +53,7 @@ from omnigraph.workers.reports import LoadReport, WorkerHello
 from omnigraph.workers.route import WorkerRoute
 
 WORKER_MODULE = "omnigraph.workers.worker"
+WORKER_FOLDER_PREFIX = "omnigraph-worker-"
 # Why: after the socket reports EOF the process is exiting; waitpid gets its status within this.
 DEATH_REAP_SECONDS = 5.0
 # Why: quoting the end of the worker's log is enough to say why it died.
@@ -114,7 +115,12 @@ class WorkerClient:
         if not os.access(route.interpreter, os.X_OK):
             raise WorkerStartFailed(f"route {route.name!r}: interpreter {route.interpreter} is not an executable file")
         deadline = time.monotonic() + startup_timeout
-        private_dir = Path(tempfile.mkdtemp(prefix="omnigraph-worker-"))
+        sweep_stale_worker_folders()
+        try:
+            private_dir = Path(tempfile.mkdtemp(prefix=f"{WORKER_FOLDER_PREFIX}{os.getpid()}-"))
+        except OSError as exc:
+            raise WorkerStartFailed(f"route {route.name!r}: cannot create the worker's folder in "
+                                    f"{tempfile.gettempdir()} (TMPDIR): {exc.strerror or exc}") from None
         socket_path = private_dir / "worker.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         process: subprocess.Popen | None = None
@@ -449,6 +455,20 @@ class _OneCall:
 
     def __exit__(self, *exc_info: object) -> None:
         self._client._call_lock.release()
+
+
+def sweep_stale_worker_folders() -> list[Path]:
+    """Remove the worker folders in TMPDIR whose controller process is gone (a server killed with
+    SIGKILL cannot remove its own); returns what was removed. A folder is named
+    `omnigraph-worker-<controller pid>-<random>`; one whose controller still runs is kept."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(f"{WORKER_FOLDER_PREFIX}*-*"):
+        owner = folder.name[len(WORKER_FOLDER_PREFIX):].split("-", 1)[0]
+        if not owner.isdigit() or int(owner) == os.getpid() or procfs.process_alive(int(owner)):
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
 
 
 def _poll_ms(until: float | None) -> int | None:

@@ -31,3 +31,13 @@ def memory_status() -> dict[str, int]:
             if key in ("VmRSS", "VmHWM"):
                 values[key] = int(value.split()[0]) * 1024
     return {"rss_bytes": values.get("VmRSS", 0), "peak_rss_bytes": values.get("VmHWM", 0)}
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this pid exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

@@ -13,11 +13,16 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 while the process can serve (or is still starting); 503 with the reason once a stage failed."""
+    """200 while the process can serve (or is still starting); 503 with the reason while a stage
+    cannot serve: `recovering` (with Retry-After) while it comes back by itself, `failed` when not."""
     service: DecisionService = request.app.state.service
     failure = service.health_failure()
     if failure is not None:
         return JSONResponse({"status": "failed", "reason": failure}, status_code=503)
+    recovering = service.health_recovering()
+    if recovering is not None:
+        return JSONResponse({"status": "recovering", "reason": recovering}, status_code=503,
+                            headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
     return JSONResponse({"status": "ok" if service.ready else "starting", "model": service.model_name})
 
 
@@ -28,6 +33,10 @@ async def ready(request: Request) -> JSONResponse:
     failure = service.health_failure()
     if failure is not None:
         return JSONResponse({"ready": False, "reason": failure}, status_code=503)
+    recovering = service.health_recovering()
+    if recovering is not None:
+        return JSONResponse({"ready": False, "reason": recovering}, status_code=503,
+                            headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
     if not service.ready:
         return JSONResponse({"ready": False, "reason": "the pipeline is still starting"}, status_code=503,
                             headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})

@@ -48,6 +48,8 @@ class DecisionEngine(Protocol):
 
     def failure(self) -> str | None: ...
 
+    def recovering(self) -> str | None: ...
+
     def queue_depth(self) -> int: ...
 
     def ledger_snapshot(self) -> dict[str, Any]: ...
@@ -130,6 +132,11 @@ class DecisionService:
                 return f"stage failed: {reason}"
         return None
 
+    def health_recovering(self) -> str | None:
+        """Why the server cannot answer now while it recovers by itself (a replacement starting, a
+        backoff, a changed bundle), or None."""
+        return None if self.engine is None else self.engine.recovering()
+
     def audit(self) -> dict:
         """What serves every answer (bundle hash, calibration, template, precision, backend)."""
         return dict(self._audit)
@@ -158,6 +165,9 @@ class DecisionService:
         failure = self.health_failure()
         if failure is not None:
             raise ApiError(503, failure, code="pipeline_failed")
+        recovering = self.health_recovering()
+        if recovering is not None:
+            raise ApiError(503, recovering, code="stage_recovering", headers=_retry_after(NOT_READY_RETRY_AFTER_S))
         if not self.ready:
             raise ApiError(503, "the pipeline is still starting", code="not_ready",
                            headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
