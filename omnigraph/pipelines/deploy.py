@@ -48,7 +48,9 @@ NATIVE_BACKEND = "vllm.pooling.v1"
 # Engine arguments omnigraph sets itself: a pooling engine over `model` returning raw hidden states.
 MANAGED_ENGINE_ARGS = ("model", "dtype", "max_model_len", "runner", "convert", "pooler_config")
 DEFAULT_NATIVE_STARTUP_TIMEOUT_S = 600.0
-DEFAULT_MAX_QUEUED_REQUESTS = 32
+# Why 128: one full `/v1/systemone/batch` (64 states, each a request) is admitted as a unit on an
+# idle server, with as much room again for single requests.
+DEFAULT_MAX_QUEUED_REQUESTS = 128
 DEFAULT_MAX_RESTARTS = 5
 DEFAULT_RESTART_WINDOW_S = 60.0
 # Why: a changed bundle is reported within half a minute, and a stat-only check of a few files

@@ -41,7 +41,7 @@ from omnigraph.pipelines.deploy import (
 from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 from omnigraph.stages.errors import ResourceUnavailable
 from omnigraph.stages.native_client import ServedEngine
-from omnigraph.stages.orchestrator import Orchestrator, RequestState
+from omnigraph.stages.orchestrator import AdmissionHold, Orchestrator, RequestState
 from omnigraph.stages.outputs import OmniRequestOutput
 from omnigraph.stages.runtime import DEFAULT_STARTUP_TIMEOUT_S, GraphStage, StageRuntime
 from omnigraph.stages.tensor_processor import TensorProcessor
@@ -216,6 +216,11 @@ class OmniBase:
         """Admitted requests not yet acknowledged (the admission bound applies to this)."""
         return self.orchestrator.queue_depth
 
+    def hold(self, slots: int) -> AdmissionHold:
+        """Set queue slots aside for requests admitted as a unit (pass it to `generate(hold=)`);
+        ResourceUnavailable when the queue cannot take them all now. Release it when done."""
+        return self.orchestrator.hold(slots)
+
     def ledger_snapshot(self) -> dict[str, Any]:
         """Capacities, charges and live reservations of the resource ledger."""
         return self.runtime.ledger.snapshot()
@@ -253,7 +258,8 @@ class AsyncOmni(OmniBase):
         self._ready: _ReadyRequests | None = None  # of the event loop that last called generate
 
     async def generate(self, prompt: Mapping[str, Any], request_id: str | None = None, *,
-                       deadline_s: float | None = None) -> AsyncGenerator[OmniRequestOutput, None]:
+                       deadline_s: float | None = None,
+                       hold: AdmissionHold | None = None) -> AsyncGenerator[OmniRequestOutput, None]:
         """Yield the request's finished output.
 
         Raises `RequestInvalid` (the prompt), `ResourceUnavailable` (queue full), `StageUnavailable`
@@ -267,7 +273,7 @@ class AsyncOmni(OmniBase):
             ready = self._ready = _ReadyRequests(loop, self.orchestrator)
         done = loop.create_future()
         request = self.orchestrator.submit(prompt, request_id=request_id, deadline_s=deadline_s,
-                                           on_ready=functools.partial(ready.post, done))
+                                           on_ready=functools.partial(ready.post, done), hold=hold)
         try:
             try:
                 await done
@@ -281,7 +287,7 @@ class AsyncOmni(OmniBase):
             self.orchestrator.acknowledge(request)
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
-        """Cancel requests: queued ones leave undispatched; one in a call retires its worker."""
+        """Cancel requests: queued ones leave undispatched; a call in flight is fenced (its worker stays)."""
         self._abort_each(request_id)
 
     async def __aenter__(self) -> AsyncOmni:
@@ -325,7 +331,7 @@ class Omni(OmniBase):
         return outputs  # type: ignore[return-value]
 
     def abort(self, request_id: str | Iterable[str]) -> None:
-        """Cancel requests: queued ones leave undispatched; one in a call retires its worker."""
+        """Cancel requests: queued ones leave undispatched; a call in flight is fenced (its worker stays)."""
         self._abort_each(request_id)
 
     def __enter__(self) -> Omni:

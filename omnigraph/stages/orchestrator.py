@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from omnigraph.pipelines.deploy import DEFAULT_MAX_QUEUED_REQUESTS
 from omnigraph.pipelines.processor import PreparedRequest
 from omnigraph.stages.errors import (
     DeadlineExceeded,
@@ -40,7 +41,6 @@ from omnigraph.stages.native_client import NativeStage
 from omnigraph.stages.runtime import GraphStage, StageRuntime
 from omnigraph.stages.tensors import check_tensors
 
-DEFAULT_MAX_QUEUED_REQUESTS = 32
 
 
 OnReady = Callable[["RequestState"], None]
@@ -169,6 +169,36 @@ class _WorkItem:
         self.request.reject(error)
 
 
+class AdmissionHold:
+    """Queue slots set aside for a group of requests admitted as a unit (a batch route): requests
+    admitted with it take its slots instead of facing the bound; `release` gives back the rest.
+    Get one from `Orchestrator.hold`."""
+
+    def __init__(self, orchestrator: Orchestrator, slots: int) -> None:
+        self._orchestrator = orchestrator
+        self.slots = slots
+
+    def take(self) -> None:
+        """One slot leaves the hold for a request now admitted (which then counts on its own)."""
+        with self._orchestrator._lock:
+            if self.slots < 1:
+                raise ValueError("the admission hold has no slot left")
+            self.slots -= 1
+            self._orchestrator._held -= 1
+
+    def release(self) -> None:
+        """Give back the slots no request took (idempotent)."""
+        with self._orchestrator._lock:
+            self._orchestrator._held -= self.slots
+            self.slots = 0
+
+    def __enter__(self) -> AdmissionHold:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
 class Orchestrator:
     """Moves requests of one pipeline through its stages."""
 
@@ -181,6 +211,7 @@ class Orchestrator:
         self.max_queued_requests = max_queued_requests
         self._chain: list[GraphStage | NativeStage] = runtime.ordered_stages
         self._active: dict[str, RequestState] = {}
+        self._held = 0  # slots set aside by AdmissionHolds, not yet taken by their requests
         for stage in self._chain:  # a free replica waits for batch-mates only while others are admitted
             if isinstance(stage, GraphStage):
                 stage.queue.admitted_requests = self._active.__len__
@@ -192,20 +223,41 @@ class Orchestrator:
 
     @property
     def queue_depth(self) -> int:
-        """Admitted requests not yet acknowledged (queued, running or holding a result)."""
-        return len(self._active)
+        """Admitted requests not yet acknowledged (queued, running or holding a result), plus the
+        slots held for requests about to be admitted as a unit."""
+        return len(self._active) + self._held
+
+    def hold(self, slots: int) -> AdmissionHold:
+        """Set `slots` queue slots aside at once, for requests to be admitted as a unit (each with
+        `hold=`); ResourceUnavailable when the queue cannot take them all now, ValueError when it
+        never could."""
+        if slots > self.max_queued_requests:
+            raise ValueError(f"{slots} requests cannot be admitted as a unit: at most "
+                             f"max_queued_requests={self.max_queued_requests} are queued at once")
+        with self._lock:
+            if self._closed:
+                raise PipelineClosed("the pipeline is shut down")
+            free = self.max_queued_requests - len(self._active) - self._held
+            if slots > free:
+                raise ResourceUnavailable(f"queue full: {slots} requests to admit as a unit, {free} slots free "
+                                          f"(max_queued_requests={self.max_queued_requests})")
+            self._held += slots
+        return AdmissionHold(self, slots)
 
     def submit(self, prompt: Mapping[str, Any], *, request_id: str | None = None,
-               deadline_s: float | None = None, on_ready: OnReady | None = None) -> RequestState:
+               deadline_s: float | None = None, on_ready: OnReady | None = None,
+               hold: AdmissionHold | None = None) -> RequestState:
         """Prepare and admit a request; raises `RequestInvalid`, `ResourceUnavailable`, `StageUnavailable`."""
         return self.admit(self.processor.prepare(prompt), request_id=request_id, deadline_s=deadline_s,
-                          on_ready=on_ready)
+                          on_ready=on_ready, hold=hold)
 
     def admit(self, prepared: PreparedRequest, *, request_id: str | None = None,
-              deadline_s: float | None = None, on_ready: OnReady | None = None) -> RequestState:
+              deadline_s: float | None = None, on_ready: OnReady | None = None,
+              hold: AdmissionHold | None = None) -> RequestState:
         """Admit an already prepared request and queue its work in the first stage. With
         `on_ready`, the request is handed to it once its outputs are complete (or it failed) and
-        its receiver finishes it (`finish`); without, the replica thread finishes it."""
+        its receiver finishes it (`finish`); without, the replica thread finishes it. With `hold`,
+        it takes one of the hold's slots instead of facing the queue bound."""
         self._check_open()
         request_id = request_id if request_id is not None else f"{self._id_prefix}-{next(self._id_counter)}"
         deadline = None if deadline_s is None else time.monotonic() + deadline_s
@@ -214,12 +266,15 @@ class Orchestrator:
                 raise PipelineClosed("the pipeline is shut down")
             if request_id in self._active:
                 raise ValueError(f"request id {request_id!r} is already in flight")
-            if len(self._active) >= self.max_queued_requests:
+            if hold is None and len(self._active) + self._held >= self.max_queued_requests:
                 raise ResourceUnavailable(
-                    f"queue full: {len(self._active)} requests admitted (max_queued_requests={self.max_queued_requests})"
+                    f"queue full: {len(self._active) + self._held} requests admitted or held "
+                    f"(max_queued_requests={self.max_queued_requests})"
                 )
             request = RequestState(request_id, prepared, deadline, on_ready)
             self._active[request_id] = request
+        if hold is not None:
+            hold.take()
         if not prepared.work:
             self._outputs_ready(request)
             return request

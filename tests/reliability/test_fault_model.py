@@ -83,7 +83,6 @@ def test_a_hundred_deadline_overruns_and_hang_ups_leave_the_same_worker_serving(
                 assert client.post("/v1/systemone", json=REFUND_REQUEST).status_code == 200
                 assert client.get("/health").status_code == 200
         assert server.worker_pids() == [worker]  # never retired: no restart budget was spent
-        assert server.metric("omnigraph_client_disconnects_total") >= ROUNDS
     finally:
         server.stop()
     assert not _alive(worker)

@@ -56,10 +56,10 @@ async def systemone(request: Request) -> JSONResponse:
     return JSONResponse(answer_body(service, decision))
 
 
-async def _batch_item(request: Request, prompt: dict, request_id: str) -> dict:
+async def _batch_item(request: Request, prompt: dict, request_id: str, hold: Any) -> dict:
     """One state's answer, or its own error (`status`, `detail`, `field`): one failure fails only itself."""
     try:
-        return answer_body(request.app.state.service, await run_decision(request, prompt, request_id))
+        return answer_body(request.app.state.service, await run_decision(request, prompt, request_id, hold=hold))
     except ApiError as error:
         return {"status": error.status, **decision_error_body(error)}
 
@@ -78,9 +78,10 @@ async def systemone_batch(request: Request) -> JSONResponse:
     service.check_available()
     shared = {key: value for key, value in body.items() if key not in ("model", "states")}
     batch_id = uuid.uuid4().hex
-    items = [_batch_item(request, {**shared, "state": state}, f"batch-{batch_id}-{index}")
-             for index, state in enumerate(states)]
-    results = await cancel_on_disconnect(request, asyncio.gather(*items))
+    with service.hold(len(states)) as hold:  # admitted as a unit: the whole batch, or a 503 for all of it
+        items = [_batch_item(request, {**shared, "state": state}, f"batch-{batch_id}-{index}", hold)
+                 for index, state in enumerate(states)]
+        results = await cancel_on_disconnect(request, asyncio.gather(*items))
     answered = [result for result in results if "answers" in result]
     total_usage = {key: sum(result["usage"].get(key, 0) for result in answered)
                    for key in ("input_tokens", "output_tokens")}

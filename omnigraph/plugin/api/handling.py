@@ -45,9 +45,10 @@ def client_went_away(request: Request, when: str) -> ApiError:
                     code="client_disconnected")
 
 
-async def run_decision(request: Request, prompt: dict, request_id: str) -> Decision:
-    """One decision through the app's service, its stage times recorded in the app's metrics."""
-    decision = await request.app.state.service.decide(prompt, request_id=request_id)
+async def run_decision(request: Request, prompt: dict, request_id: str, *, hold: Any = None) -> Decision:
+    """One decision through the app's service (admitted through `hold`, a batch's queue slots,
+    when given), its stage times recorded in the app's metrics."""
+    decision = await request.app.state.service.decide(prompt, request_id=request_id, hold=hold)
     request.app.state.metrics.observe_stages(decision.stage_durations)
     return decision
 

@@ -35,7 +35,9 @@ class DecisionEngine(Protocol):
     """What the HTTP layer needs of `omnigraph.plugin.omni.AsyncOmni`."""
 
     def generate(self, prompt: Mapping[str, Any], request_id: str, *,
-                 deadline_s: float | None = None) -> AsyncIterator[Any]: ...
+                 deadline_s: float | None = None, hold: Any = None) -> AsyncIterator[Any]: ...
+
+    def hold(self, slots: int) -> Any: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -172,8 +174,18 @@ class DecisionService:
             raise ApiError(503, "the pipeline is still starting", code="not_ready",
                            headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
 
+    def hold(self, slots: int) -> Any:
+        """Queue slots for `slots` requests admitted as a unit (a batch), released by the caller:
+        503 with Retry-After when the queue cannot take them all now, 422 when it never could."""
+        try:
+            return self.engine.hold(slots)
+        except ValueError as exc:
+            raise ApiError(422, str(exc), code="invalid_request", field="states") from None
+        except ResourceUnavailable as exc:
+            raise ApiError(503, str(exc), code="queue_full", headers=_retry_after(exc.retry_after)) from None
+
     async def decide(self, prompt: Mapping[str, Any], *, request_id: str,
-                     deadline_s: float | None = None) -> Decision:
+                     deadline_s: float | None = None, hold: Any = None) -> Decision:
         """Run one request to its final output within the deadline (queueing included).
 
         A deadline, a client disconnect (cancellation of this coroutine) or any failure aborts the
@@ -185,7 +197,7 @@ class DecisionService:
         try:
             async with asyncio.timeout(limit):
                 final = None
-                async for output in self.engine.generate(prompt, request_id=request_id, deadline_s=limit):
+                async for output in self.engine.generate(prompt, request_id=request_id, deadline_s=limit, hold=hold):
                     if output.error is not None:
                         raise ApiError(500, f"request failed in stage {output.stage_id}: {output.error}",
                                        code="stage_error")
