@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from omnigraph.pipelines.deploy import DeployConfigError, load_deploy_config, resolve_pipeline
+from omnigraph.pipelines.deploy import DEFAULT_MAX_QUEUED_REQUESTS, DeployConfigError, load_deploy_config, resolve_pipeline
 from omnigraph.stages.runtime import worker_route
 
 
@@ -42,7 +42,7 @@ def test_relative_manifest_resolves_against_the_yaml(tmp_path, bundle_dir):
     stage = plan.stage(0)
     assert stage.backend.manifest == bundle_dir / "manifest.json"
     assert stage.backend.route.ep == "cpu" and stage.num_replicas == 1
-    assert plan.max_queued_requests == 32
+    assert plan.max_queued_requests == DEFAULT_MAX_QUEUED_REQUESTS
     assert resolve_pipeline(plan).model_type == "laya"
     # defaults: retired replicas are replaced (5 per minute); batching is what the pipeline declares
     assert (stage.restart.max_restarts, stage.restart.window_s) == (5, 60.0)
