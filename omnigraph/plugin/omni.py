@@ -44,6 +44,7 @@ from omnigraph.stages.native_client import ServedEngine
 from omnigraph.stages.orchestrator import AdmissionHold, Orchestrator, RequestState
 from omnigraph.stages.outputs import OmniRequestOutput
 from omnigraph.stages.runtime import DEFAULT_STARTUP_TIMEOUT_S, GraphStage, StageRuntime
+from omnigraph.stages.startup import StartCancel
 from omnigraph.stages.tensor_processor import TensorProcessor
 from omnigraph.workers.route import DEFAULT_MAX_IO_BYTES
 
@@ -149,12 +150,12 @@ class OmniBase:
     def __init__(self, model: str | None = None, deploy_config: str | Path | DeployConfig | None = None,
                  bundle: str | Path | None = None, *, max_queued_requests: int | None = None,
                  startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, warmup: bool = True,
-                 served_engine: ServedEngine | None = None) -> None:
+                 served_engine: ServedEngine | None = None, cancel: StartCancel | None = None) -> None:
         self.pipeline, self.deploy = build_plan(model, deploy_config, bundle)
         self._final_stage_id = self.pipeline.final_stage.stage_id
         self._final_output_type = self.pipeline.final_output_type
         self.runtime = StageRuntime(self.pipeline, self.deploy, startup_timeout=startup_timeout,
-                                    served_engine=served_engine)
+                                    served_engine=served_engine, cancel=cancel)
         self.runtime.start()
         try:
             if self.pipeline.processor is not None:

@@ -31,6 +31,7 @@ import uvicorn
 from omnigraph.plugin.api.app import build_app
 from omnigraph.plugin.api.connections import ConnectionLimits, guarded_protocol_factory
 from omnigraph.plugin.api.service import DEFAULT_DEADLINE_S, DecisionService
+from omnigraph.stages.startup import StartCancel
 
 if TYPE_CHECKING:
     from omnigraph.stages.native_client import ServedEngine
@@ -114,10 +115,10 @@ def build_service(model: str | None, *, bundle: str | None = None, deploy_config
     `served_engine` (inside `vllm serve`) is the vLLM engine a native stage uses."""
     from omnigraph.plugin.omni import AsyncOmni
 
-    def start_engine() -> AsyncOmni:
+    def start_engine(cancel: StartCancel) -> AsyncOmni:
         # The service sends the warmup request itself, through the same async path requests take.
         return AsyncOmni(model=model, deploy_config=deploy_config, bundle=bundle, warmup=False,
-                         served_engine=served_engine)
+                         served_engine=served_engine, cancel=cancel)
 
     return DecisionService(start_engine, model_name=served_model_name(model, deploy_config), deadline_s=deadline_s)
 

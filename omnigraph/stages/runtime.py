@@ -47,13 +47,14 @@ from omnigraph.stages.batching import (
     StageQueue,
     batch_axis_problem,
 )
-from omnigraph.stages.errors import StageStartupError, StageUnavailable, StartupCancelled
+from omnigraph.stages.errors import StageStartupError, StageUnavailable
 from omnigraph.stages.graph_client import DEFAULT_HANG_GRACE_S, REPLACEMENT_RETRY_AFTER_S, GraphStageClient
 from omnigraph.stages.monitor import StageMonitor
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.native_client import NativeStage, ServedEngine
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.stages.restarts import RestartBudget
+from omnigraph.stages.startup import StartCancel
 from omnigraph.stages.tensors import InputSpec, input_specs
 from omnigraph.workers.client import WorkerClient
 from omnigraph.workers.route import WorkerRoute
@@ -382,7 +383,7 @@ class StageRuntime:
 
     def __init__(self, pipeline: PipelineConfig, deploy: DeployConfig, *, ledger: ResourceLedger | None = None,
                  startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, served_engine: ServedEngine | None = None,
-                 hang_grace_s: float = DEFAULT_HANG_GRACE_S) -> None:
+                 hang_grace_s: float = DEFAULT_HANG_GRACE_S, cancel: StartCancel | None = None) -> None:
         self.pipeline = pipeline
         self.deploy = deploy
         self.ledger = ledger if ledger is not None else ResourceLedger()
@@ -393,8 +394,9 @@ class StageRuntime:
         self._generations = itertools.count(1)
         self._closed = False
         self._monitor: StageMonitor | None = None
-        self._cancelled = threading.Event()
         self._starting: Launched = []
+        self.cancel = cancel if cancel is not None else StartCancel()
+        self.cancel.bind(self._kill_starting)
 
     @property
     def ordered_stages(self) -> list[GraphStage | NativeStage]:
@@ -422,8 +424,7 @@ class StageRuntime:
         launched = self._starting
         try:
             for (stage, replica), reservation in zip(owners, reservations):
-                if self._cancelled.is_set():
-                    raise StartupCancelled(f"the start was cancelled after {len(launched)} of {len(owners)} replicas")
+                self.cancel.check(f"after {len(launched)} of {len(owners)} replicas")
                 if isinstance(stage, NativeStage):
                     stage.start(reservation, self.ledger)
                 else:
@@ -483,6 +484,7 @@ class StageRuntime:
         except Exception as exc:
             raise StageStartupError(stage.stage_id, replica, f"worker did not start: {exc}") from exc
         stage.register_launch(launched, client, reservation)
+        self.cancel.check(f"while stage {stage.stage_id} replica {replica} was starting")  # a cancel that missed it
         try:
             report = client.load(stage.bundle.manifest_path, timeout=self.startup_timeout)
         except Exception as exc:
@@ -526,10 +528,8 @@ class StageRuntime:
         """Every stage's (state, why): see GraphStage.status."""
         return {stage.stage_id: stage.status() for stage in self.ordered_stages}
 
-    def cancel_start(self) -> None:
-        """From another thread (a signal during startup): start no further replica, and kill the
-        workers being started now, so `start` unwinds at once."""
-        self._cancelled.set()
+    def _kill_starting(self) -> None:
+        """The start was cancelled: kill the workers being started, so `start` unwinds at once."""
         for client, _ in list(self._starting):
             client.kill()
 

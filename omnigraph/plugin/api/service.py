@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Mapping, Protocol
 
 from omnigraph.pipelines.processor import RequestInvalid
 from omnigraph.plugin.api.errors import ApiError
+from omnigraph.stages.startup import StartCancel
 from omnigraph.stages.errors import (
     DeadlineExceeded,
     PipelineClosed,
@@ -88,7 +89,7 @@ class Decision:
 class DecisionService:
     """Owns the engine for one server: startup, readiness, failure and per-request execution."""
 
-    def __init__(self, start_engine: Callable[[], DecisionEngine], *, model_name: str,
+    def __init__(self, start_engine: Callable[[StartCancel], DecisionEngine], *, model_name: str,
                  deadline_s: float = DEFAULT_DEADLINE_S) -> None:
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s!r}")
@@ -99,13 +100,17 @@ class DecisionService:
         self.ready = False
         self.failure: str | None = None
         self._audit: dict = {}
+        self._cancel = StartCancel()
+        self._starting: asyncio.Future[DecisionEngine] | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Start the engine in a thread, then pass the warmup request through it; record any failure."""
+        """Start the engine in a thread, then pass the warmup request through it; record any failure.
+        Cancelling this task leaves the thread to `stop`, which cancels the start itself."""
+        self._starting = asyncio.ensure_future(asyncio.to_thread(self._start_engine, self._cancel))
         try:
-            self.engine = await asyncio.to_thread(self._start_engine)
+            self.engine = await asyncio.shield(self._starting)
             self._audit = {**self.engine.audit(), "backend": backend_description(self.engine.execution_plan)}
             warmup = self.engine.warmup_request()
             await self.decide(warmup, request_id=f"warmup-{uuid.uuid4().hex}", deadline_s=WARMUP_DEADLINE_S)
@@ -122,6 +127,16 @@ class DecisionService:
             self.engine.shutdown()
 
     async def stop(self) -> None:
+        """Cancel a start still under way (no further worker starts; those starting are killed and
+        the start unwinds), then shut the engine down."""
+        self._cancel.cancel()
+        if self._starting is not None:
+            try:
+                engine = await self._starting
+            except Exception:  # the start's own failure (or its cancellation): it left nothing running
+                pass
+            else:
+                self.engine = engine  # a start that finished as it was cancelled: shut down below
         await asyncio.to_thread(self.shutdown)
 
     def health_failure(self) -> str | None:
