@@ -4,9 +4,12 @@ bytes it hashed, and a bundle changed on disk afterwards is noticed (bundles/wat
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import onnx
 import pytest
@@ -15,8 +18,11 @@ from onnx import TensorProto, helper, numpy_helper
 from omnigraph.bundles import VerifiedBundle, pack_bundle
 from omnigraph.bundles.watch import BundleWatch
 from omnigraph.pipelines.deploy import DEFAULT_REVERIFY_INTERVAL_S, DeployConfigError, validate_deploy_config
+from omnigraph.pipelines.laya.export import default_bundle
 from omnigraph.workers.route import WorkerRoute
 from omnigraph.workers.session import describe, load_session
+
+from ..plugin.conftest import REFUND_REQUEST, ServerProcess
 
 WIDTH = 1 << 16  # 256 KiB of weights: large enough that ONNX Runtime would map the file
 
@@ -108,3 +114,49 @@ def test_the_reverify_interval_is_a_graph_backend_key_with_a_default(bundle):
         assert validate_deploy_config(plan({"reverify_interval_s": off}, bundle.manifest_path)).stages[0].reverify_interval_s is None
     with pytest.raises(DeployConfigError, match=r"stages\[0\]\.backend\.reverify_interval_s: .*greater than or equal to 0"):
         validate_deploy_config(plan({"reverify_interval_s": -1}, bundle.manifest_path))
+
+
+def test_weights_changed_under_a_running_server_turn_its_stage_unavailable_naming_the_file(tmp_path):
+    """The finding itself, over HTTP: the demo bundle's weights changed in place under `omnigraph
+    serve` are never served; the stage says why until the verified bytes are back."""
+    served = tmp_path / "bundle"
+    shutil.copytree(default_bundle(), served)
+    config = tmp_path / "plan.yaml"
+    config.write_text(f"""\
+pipeline: laya
+stages:
+  - stage_id: 0
+    backend:
+      name: external.graph.v1
+      manifest: {served / "manifest.json"}
+      route: {{name: local-cpu, ep: cpu}}
+      reverify_interval_s: 0.2
+""")
+    server = ServerProcess(["--deploy-config", str(config)], {}, tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            before = client.post("/v1/systemone", json=REFUND_REQUEST).json()
+            weights = served / "weights.bin"
+            original = weights.read_bytes()
+            with open(weights, "r+b") as handle:  # the same inode, the same size, other numbers
+                handle.write(bytes(byte ^ 0x5A for byte in original[:4096]))
+            health = _poll(lambda: client.get("/health"), lambda r: r.status_code == 503)
+            assert "weights.bin" in health.text and "Retry-After" in health.headers
+            refused = client.post("/v1/systemone", json=REFUND_REQUEST)
+            assert refused.status_code == 503 and "weights.bin" in refused.text, refused.text
+            weights.write_bytes(original)  # the verified bytes back: the stage serves again
+            _poll(lambda: client.get("/health"), lambda r: r.status_code == 200)
+            after = client.post("/v1/systemone", json=REFUND_REQUEST).json()
+    finally:
+        server.stop()
+    assert after["answers"] == before["answers"]
+    assert after["audit"]["model_hash"] == before["audit"]["model_hash"]
+
+
+def _poll(get, until, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while not until(response := get()):
+        assert time.monotonic() < deadline, f"never happened; last answer {response.status_code} {response.text}"
+        time.sleep(0.05)
+    return response
