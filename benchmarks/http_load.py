@@ -8,17 +8,10 @@ request to each server in turn, for a fixed time each. Rows: median / p99 latenc
 per server, each omnigraph / laya-serve throughput ratio, and whether the servers gave equal
 answers (probabilities within 1e-3).
 
-    python benchmarks/http.py --json benchmarks/results/http-cpu.json
+    python benchmarks/http_load.py --json benchmarks/results/http-load-cpu.json
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# This script is named http.py: drop its folder from the import path, or `import http` (which
-# httpx and asyncio need) would find this file instead of the standard library.
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import argparse
 import asyncio
@@ -30,13 +23,20 @@ import signal
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
+
+try:
+    from benchmarks.machine import cpu_name
+except ImportError:  # run as a script: this folder is sys.path[0]
+    from machine import cpu_name
 
 REQUEST = {
     "state": "Hi, I was charged twice for my March invoice. Please refund the duplicate charge "
@@ -148,12 +148,6 @@ async def _load(base: str, body: dict, concurrency: int, seconds: float) -> dict
             "requests_per_s": len(latencies) / elapsed, "requests": len(latencies), "failures": failures}
 
 
-def _cpu_name() -> str:
-    with open("/proc/cpuinfo") as cpuinfo:
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")]
-    return names[0] if names else platform.machine()
-
-
 def _core(answers: dict) -> dict:
     keep = ("type", "choice", "score", "noul", "probabilities")
     return {qid: {key: answer[key] for key in keep if key in answer} for qid, answer in answers.items()}
@@ -211,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, case in cases.items():
                 measured[name][concurrency] = asyncio.run(_load(bases[name], case.body, concurrency, args.seconds))
 
-    identity = {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+    identity = {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
                 "versions": {package: version(package) for package in ("omnigraph", "onnxruntime", "laya", "torch")},
                 "load_average_1m": os.getloadavg()[0], "checkpoint": f"synthetic {args.size}",
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

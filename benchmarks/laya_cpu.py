@@ -29,13 +29,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-# Run as a script, this folder is sys.path[0], where benchmarks/http.py shadows the standard
-# library's `http` (which torch and httpx import): it goes to the end of the path instead, where
-# it still provides laya_gpu.py, the harness this script shares.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
-
-import laya_gpu as harness  # noqa: E402
+try:
+    from benchmarks import laya_gpu as harness
+except ImportError:  # run as a script: this folder is sys.path[0]
+    import laya_gpu as harness
 
 TARGET_SPEEDUP = 2.0
 ROUNDS = 4

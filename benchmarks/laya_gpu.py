@@ -60,13 +60,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Mapping
 
+try:
+    from benchmarks.machine import cpu_name
+except ImportError:  # run as a script: this folder is sys.path[0]
+    from machine import cpu_name
+
 if TYPE_CHECKING:
     from omnigraph.pipelines.deploy import DeployConfig
-
-# Run as a script, this folder is sys.path[0], where benchmarks/http.py shadows the standard
-# library's `http` (which torch and httpx import); the harness imports nothing from this folder.
-if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    del sys.path[0]
 
 # The lengths and the numbers to beat there (p50 ms, batch 1, same H200 class).
 LENGTHS = (64, 176, 512)
@@ -303,9 +303,7 @@ def _device_name(device: str) -> str:
         import torch
 
         return torch.cuda.get_device_name(0)
-    with open("/proc/cpuinfo") as cpuinfo:
-        return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
-                    platform.machine())
+    return cpu_name()
 
 
 # ----------------------------------------------------------------------------------------------

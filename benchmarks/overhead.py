@@ -51,6 +51,11 @@ from omnigraph.pipelines.deploy import GRAPH_BACKEND, DeployConfig, validate_dep
 from omnigraph.workers.client import WorkerClient
 from omnigraph.workers.route import WorkerRoute
 
+try:
+    from benchmarks.machine import cpu_name
+except ImportError:  # run as a script: this folder is sys.path[0]
+    from machine import cpu_name
+
 TARGET_ADDED_MEDIAN_US = 100.0
 CONCURRENCY = 32
 
@@ -294,13 +299,6 @@ def compare(trees: list[tuple[str, str]], args: argparse.Namespace) -> list[dict
                  "value": round(float(np.median(second[:, 1] / first[:, 1])), 3), "unit": "x",
                  "rounds_higher": int((second[:, 1] > first[:, 1]).sum()), "rounds": args.rounds})
     return rows
-
-
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown"
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace, load_before: float) -> dict[str, Any]:

@@ -35,15 +35,6 @@ Figures and the fault matrix they belong to: RELIABILITY.md.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-# Run as a script, this folder is sys.path[0], where benchmarks/http.py shadows the standard
-# library's `http` (which httpx imports): it goes to the end of the path instead, where it still
-# provides laya_gpu.py, whose machine helpers (CPU name, versions) this script shares.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
-
 import argparse
 import asyncio
 import collections
@@ -58,14 +49,21 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
-import laya_gpu as harness
 
+try:
+    from benchmarks import laya_gpu as harness
+except ImportError:  # run as a script: this folder is sys.path[0]
+    import laya_gpu as harness
+
+REPO = Path(__file__).resolve().parent.parent
 ROUTE = "/v1/systemone"
 WORKER_MODULE = "omnigraph.workers.worker"
 WORKER_DIR_PREFIX = "omnigraph-worker-"
@@ -513,9 +511,9 @@ def _identity(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             pass
-    commit = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short", "HEAD"], check=False,
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], check=False,
                             capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(HERE.parent), "status", "--porcelain", "--", "omnigraph"], check=False,
+    dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "omnigraph"], check=False,
                            capture_output=True, text=True).stdout.strip()
     return {"cpu": harness._device_name("cpu"), "cores": os.cpu_count(), "versions": versions,
             "commit": commit or None, "uncommitted_engine_changes": bool(dirty), "load_average_1m": round(os.getloadavg()[0], 2),

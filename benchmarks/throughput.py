@@ -53,13 +53,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Awaitable, Callable
 
-# Run as a script, this folder is sys.path[0], where benchmarks/http.py shadows the standard
-# library's `http` (which torch and httpx import): it goes to the end of the path instead, where
-# it still provides laya_gpu.py, the harness this script shares.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE] + [str(HERE)]
-
-import laya_gpu as harness  # noqa: E402
+try:
+    from benchmarks import laya_gpu as harness
+except ImportError:  # run as a script: this folder is sys.path[0]
+    import laya_gpu as harness
 
 CONCURRENCY = (1, 8, 32, 64)
 PREDICT_BATCH = 64

@@ -57,6 +57,11 @@ from omnigraph.workers.route import DEFAULT_MAILBOX_BYTES, WorkerRoute
 from omnigraph.workers.session import describe, load_session
 from omnigraph.workers.wire import SPIN_WAIT_US
 
+try:
+    from benchmarks.machine import cpu_name
+except ImportError:  # run as a script: this folder is sys.path[0]
+    from machine import cpu_name
+
 CASES = [("4KB", 4 * 1024, 5000), ("1MB", 1024 * 1024, 500), ("64MB", 64 * 1024 * 1024, 30)]
 # (path, shm threshold for a tensor of n bytes, spin_wait_us): inline and shared memory with the
 # default polling, and inline with both ends sleeping at once (what polling saves, side by side).
@@ -317,16 +322,6 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
         if runs_graph:
             rows += [(phase, "graph_run_quiet_median", float(quiet)), (phase, "graph_run_inside_median", float(inside))]
     return rows
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> int:

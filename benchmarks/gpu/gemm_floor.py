@@ -15,7 +15,7 @@ lengths):
 Each row gives the microseconds per GEMM of a projection (its 28 GEMMs replayed, divided by 28),
 and `encoder` the 112 GEMMs together.
 
-    python3 benchmarks/gpu/gemm_floor.py [--rows 64 176 512] [--triton] [--json PATH]
+    python3 -m benchmarks.gpu.gemm_floor [--rows 64 176 512] [--triton] [--json PATH]
 """
 
 from __future__ import annotations
@@ -27,10 +27,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (HERE, HERE.parent)] + [str(HERE.parent)]
-
-import laya_gpu  # noqa: E402
+from benchmarks import laya_gpu
 
 LAYERS = 28
 PROJECTIONS = (("Wqkv", 1024, 3072), ("Wo", 1024, 1024), ("Wi", 1024, 5248), ("mlp_Wo", 2624, 1024))

@@ -7,7 +7,7 @@ kernel the process launches, ORT's and the omnigraph op library's included. Per 
 (the batch-1 noul requests of benchmarks/laya_gpu.py): the wall time of a forward (IOBinding, host
 outputs), the summed kernel time per forward (the GPU's busy time), and the kernels ranked by time.
 
-    python3 benchmarks/gpu/kernel_profile.py --checkpoint CK --bundle fast=DIR [--bundle bf16=DIR ...]
+    python3 -m benchmarks.gpu.kernel_profile --checkpoint CK --bundle fast=DIR [--bundle bf16=DIR ...]
         [--lengths 64 176 512] [--runs 30] [--rows 1] [--json PATH]
 """
 
@@ -22,13 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-# Run as a script, this folder is sys.path[0]; the parent holds laya_gpu.py (the requests every GPU
-# case answers) and benchmarks/http.py, which shadows the standard library's `http`: the parent
-# goes to the end of the path, where it provides the one without the other.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (HERE, HERE.parent)] + [str(HERE.parent)]
-
-import laya_gpu  # noqa: E402
+from benchmarks import laya_gpu
 
 # Kernel name fragments -> the operator family they belong to (first match wins).
 FAMILIES = (

@@ -8,7 +8,7 @@ Issue 7 asks, where a target is missed, for the time broken down. For one bundle
            stage time the orchestrator records (worker call including the wire), the rest being
            the async front's hand-offs.
 
-    python3 benchmarks/gpu/profile_laya.py --checkpoint CKPT --bundle BUNDLE --json $OUT/profile.json
+    python3 -m benchmarks.gpu.profile_laya --checkpoint CKPT --bundle BUNDLE --json $OUT/profile.json
 """
 
 from __future__ import annotations
@@ -24,13 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# Run as a script, this folder is sys.path[0]; the parent holds laya_gpu.py, the harness this
-# script shares, and benchmarks/http.py, which shadows the standard library's `http`: the parent
-# goes to the end of the path, where it provides the one without the other.
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() not in (HERE, HERE.parent)] + [str(HERE.parent)]
-
-import laya_gpu as harness  # noqa: E402
+from benchmarks import laya_gpu as harness
 
 
 
