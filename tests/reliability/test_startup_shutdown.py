@@ -1,18 +1,24 @@
-"""Startup and shutdown (issue 18, finding 10): a signal while replicas are starting stops the
+"""Startup and shutdown (issue 18, findings 10 and 11): a signal while replicas are starting stops the
 start, the server exits within seconds, and no worker folder is left in TMPDIR after any exit;
-folders a killed server left behind are swept by the next start."""
+folders a killed server left behind are swept by the next start; a TMPDIR that cannot hold a
+worker's folder is named with the cause."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
+from omnigraph import Omni
 from omnigraph.pipelines.laya.export import default_bundle
+from omnigraph.stages.errors import StageStartupError
 
 from ..plugin.conftest import REFUND_REQUEST, ServerProcess
 from .test_fault_model import _wait_for, _worker_folders, tmpdir_env  # noqa: F401 (a fixture)
@@ -101,3 +107,26 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path) -> Iterator[Path]:
+    """A 64 KiB tmpfs whose two inodes are taken (needs the right to mount: root, as on CI)."""
+    mountpoint = tmp_path / "full"
+    mountpoint.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,nr_inodes=2", "tmpfs", str(mountpoint)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        (mountpoint / "taken").touch()
+        yield mountpoint
+    finally:
+        subprocess.run(["umount", str(mountpoint)], check=True)
+
+
+def test_a_tmpdir_with_no_room_for_a_worker_folder_is_named_with_the_cause(full_tmpfs, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(full_tmpfs))  # what TMPDIR sets, without the fallback to /tmp
+    with pytest.raises(StageStartupError, match=rf"cannot create the worker's folder in {full_tmpfs} \(TMPDIR\): "
+                                                "No space left on device"):
+        Omni()
