@@ -56,6 +56,10 @@ DEFAULT_RESTART_WINDOW_S = 60.0
 # Why: a changed bundle is reported within half a minute, and a stat-only check of a few files
 # every 30 s costs nothing measurable (bundles/watch.py re-hashes in full only now and then).
 DEFAULT_REVERIFY_INTERVAL_S = 30.0
+# Why: a call whose requests are all gone still runs to its end on the worker; the longest honest
+# call (64 questions of 512 tokens on a CPU) takes a few seconds, so a worker silent this long after
+# its call was fenced is hung, not busy.
+DEFAULT_HANG_GRACE_S = 10.0
 _DECLARATION_KEYS = ("model_stage", "execution_type", "input_sources", "final_output",
                      "final_output_type", "custom_process_input_func")
 
@@ -95,7 +99,9 @@ class RouteConfig(_Strict):
 class GraphBackendConfig(_Strict):
     """A graph stage's backend: a verified ONNX bundle run by a worker on a route.
     `reverify_interval_s`: how often the served bundle is checked for changes on disk (0 or null:
-    never; it is verified at every worker start regardless)."""
+    never; it is verified at every worker start regardless). `hang_grace_s`: how long a worker may
+    stay silent after its call was fenced (every request of it cancelled or late) before it is
+    deemed hung and replaced."""
 
     name: Literal["external.graph.v1"]
     manifest: Path
@@ -104,6 +110,7 @@ class GraphBackendConfig(_Strict):
     min_fraction_on_target: float = Field(default=1.0, ge=0.0, le=1.0)
     allowed_providers: list[str] | None = None
     reverify_interval_s: float | None = Field(default=DEFAULT_REVERIFY_INTERVAL_S, ge=0.0, allow_inf_nan=False)
+    hang_grace_s: float = Field(default=DEFAULT_HANG_GRACE_S, gt=0.0, allow_inf_nan=False)
 
     @field_validator("manifest", mode="before")
     @classmethod
@@ -248,6 +255,12 @@ class StageDeployConfig(_Strict):
         if not isinstance(self.backend, GraphBackendConfig):
             return None
         return self.backend.reverify_interval_s or None
+
+    @property
+    def hang_grace_s(self) -> float:
+        """Seconds a graph stage's worker may stay silent after its call was fenced before it is
+        deemed hung (`backend.hang_grace_s`); the default for a stage without a graph bundle."""
+        return self.backend.hang_grace_s if isinstance(self.backend, GraphBackendConfig) else DEFAULT_HANG_GRACE_S
 
 
 class DeployConfig(_Strict):

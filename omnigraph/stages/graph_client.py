@@ -41,10 +41,6 @@ if TYPE_CHECKING:
 EXIT_VERIFY_TIMEOUT_S = 10.0
 # Why: a replacement worker starts and warms up within seconds; clients retry after about this long.
 REPLACEMENT_RETRY_AFTER_S = 1.0
-# Why: a call whose requests are all gone still runs to its end on the worker; the longest honest
-# call (64 questions of 512 tokens on a CPU) takes a few seconds, so a worker silent this long after
-# its call was fenced is hung, not busy.
-DEFAULT_HANG_GRACE_S = 10.0
 # Why: while a call runs, its replica looks this often for requests that were cancelled or whose
 # deadline passed (a cancellation is noticed within this, with no wake-up from the cancelling thread).
 CALL_POLL_S = 0.02
@@ -80,7 +76,7 @@ class GraphStageClient:
 
     def __init__(self, stage: GraphStage, replica: int, client: WorkerClient, reservation: Reservation,
                  ledger: ResourceLedger, load_report: LoadReport, *, restarts: int = 0,
-                 hang_grace_s: float = DEFAULT_HANG_GRACE_S) -> None:
+                 hang_grace_s: float) -> None:
         self.stage = stage
         self.replica = replica
         self.client = client

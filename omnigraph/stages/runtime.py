@@ -48,7 +48,7 @@ from omnigraph.stages.batching import (
     batch_axis_problem,
 )
 from omnigraph.stages.errors import StageStartupError, StageUnavailable
-from omnigraph.stages.graph_client import DEFAULT_HANG_GRACE_S, REPLACEMENT_RETRY_AFTER_S, GraphStageClient
+from omnigraph.stages.graph_client import REPLACEMENT_RETRY_AFTER_S, GraphStageClient
 from omnigraph.stages.monitor import StageMonitor
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.native_client import NativeStage, ServedEngine
@@ -383,14 +383,13 @@ class StageRuntime:
 
     def __init__(self, pipeline: PipelineConfig, deploy: DeployConfig, *, ledger: ResourceLedger | None = None,
                  startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S, served_engine: ServedEngine | None = None,
-                 hang_grace_s: float = DEFAULT_HANG_GRACE_S, cancel: StartCancel | None = None) -> None:
+                 cancel: StartCancel | None = None) -> None:
         self.pipeline = pipeline
         self.deploy = deploy
         self.ledger = ledger if ledger is not None else ResourceLedger()
         self.startup_timeout = startup_timeout
         self.served_engine = served_engine
         self.stages: dict[int, GraphStage | NativeStage] = {}
-        self.hang_grace_s = hang_grace_s
         self._generations = itertools.count(1)
         self._closed = False
         self._monitor: StageMonitor | None = None
@@ -492,7 +491,7 @@ class StageRuntime:
         if report.manifest_sha256 != stage.bundle.manifest_sha256:
             raise StageStartupError(stage.stage_id, replica, "the worker loaded another manifest than the one verified here")
         return GraphStageClient(stage, replica, client, reservation, self.ledger, report, restarts=restarts,
-                                hang_grace_s=self.hang_grace_s)
+                                hang_grace_s=stage.deploy.hang_grace_s)
 
     def _start_replacement(self, stage: GraphStage, slot: int, restarts: int, launched: Launched) -> GraphStageClient:
         """A new generation for a retired slot: its own reservation, start, load, warmup; all of it

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from omnigraph import AsyncOmni
+from omnigraph.pipelines.laya.export import default_bundle
 
 from ..plugin.conftest import REFUND_REQUEST, ServerProcess
 
@@ -89,17 +90,50 @@ def test_a_hundred_deadline_overruns_and_hang_ups_leave_the_same_worker_serving(
     assert _worker_folders(tmpdir_env) == []  # no worker folder left behind
 
 
-def test_a_worker_killed_while_idle_turns_health_to_503_at_once_and_is_replaced(tmp_path, tmpdir_env):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_a_worker_killed_while_idle_turns_health_to_503_at_once_and_is_replaced(tmp_path, tmpdir_env, sig):
     server = _serve(tmp_path, tmpdir_env)
     try:
         (worker,) = server.worker_pids()
-        os.kill(worker, signal.SIGKILL)
+        os.kill(worker, sig)
         _wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, "health reports the dead worker", 5)
         health = httpx.get(f"{server.url}/health")
         assert health.json()["status"] == "recovering" and "exited while idle" in health.json()["reason"]
         assert "Retry-After" in health.headers
         # the replacement starts without any request asking for it
         _wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, "the replacement serves")
+        (replacement,) = server.worker_pids()
+        assert replacement != worker
+        assert httpx.post(f"{server.url}/v1/systemone", json=REFUND_REQUEST, timeout=30).status_code == 200
+    finally:
+        server.stop()
+    assert _worker_folders(tmpdir_env) == []
+
+
+def test_a_worker_silent_past_the_hang_bound_after_a_fence_is_replaced(tmp_path, tmpdir_env):
+    """SIGSTOP: the request gets its 504 at its deadline; the fenced call's worker, still silent
+    `hang_grace_s` later, is hung: it is killed (its exit verified) and a new generation serves."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(f"""\
+pipeline: laya
+stages:
+  - stage_id: 0
+    backend:
+      name: external.graph.v1
+      manifest: {default_bundle()}
+      route: {{name: local-cpu, ep: cpu}}
+      hang_grace_s: 0.5
+""")
+    server = ServerProcess(["--deploy-config", str(plan)], {"TMPDIR": str(tmpdir_env), "OMNIGRAPH_REQUEST_DEADLINE_S": "0.3"},
+                           tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        (worker,) = server.worker_pids()
+        os.kill(worker, signal.SIGSTOP)
+        late = httpx.post(f"{server.url}/v1/systemone", json=REFUND_REQUEST, timeout=30)
+        assert late.status_code == 504, late.text
+        _wait_for(lambda: not _alive(worker), "the hung worker is killed", 10)
+        _wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, "a new generation serves")
         (replacement,) = server.worker_pids()
         assert replacement != worker
         assert httpx.post(f"{server.url}/v1/systemone", json=REFUND_REQUEST, timeout=30).status_code == 200
