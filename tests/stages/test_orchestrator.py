@@ -24,7 +24,7 @@ from omnigraph.stages.runtime import StageRuntime
 
 
 BIG = {"tensors": {"x": np.zeros((1024, 1024), np.float32)}}   # a call that runs for many seconds
-MEDIUM = {"tensors": {"x": np.zeros((192, 192), np.float32)}}  # a call of a fraction of a second
+MEDIUM = {"tensors": {"x": np.zeros((384, 384), np.float32)}}  # a call of about half a second
 SMALL = {"tensors": {"x": np.ones((4, 4), np.float32)}}
 NO_RESTART = {"max_restarts": 0}  # a retired replica stays retired: later requests fail fast
 
@@ -128,7 +128,7 @@ def test_a_queued_request_leaves_without_dispatch(make_plan, engine):
             await omni.abort("queued")
             with pytest.raises(RequestCancelled):
                 await queued
-            assert (await running).custom_output["h200"].shape == (192, 192)
+            assert (await running).custom_output["h200"].shape == MEDIUM["tensors"]["x"].shape
             (replica,) = engine.replicas(omni)
             return replica
 
