@@ -1,4 +1,4 @@
-"""The persistent weight-streaming layer kernel against today's path, on the GPU (issue 19, step 1).
+"""The persistent weight-streaming layer kernel against today's path, on the GPU (issue 19).
 
 For each row count M (batch-1 requests of 64 / 176 / 512 tokens) and Laya's 28 layers of
 full-size projections (Wqkv [3072x1024], Wo [1024x1024], Wi [5248x1024], Wo_mlp [1024x2624], BF16,
@@ -11,16 +11,18 @@ over CUDA-graph replays:
   LayerNorm -> next Wqkv, as separate kernels (cuBLAS + torch elementwise), the op path of the
   fast bundle without its attention;
 - `persistent x28`: the same chain through `persistent_layer.cu`, one launch per layer (28 launches,
-  the semantics an ORT op would have);
+  the semantics an ORT op would have), for each plan (tiles / K splits per phase);
 - `persistent 1 launch`: all 28 layers in one launch (attention replaced by a stand-in: the next
   layer's ctx is qkv[:, :1024]).
 
-Numerics: the kernel's outputs (residual FP32, qkv BF16) against a torch FP32 reference that rounds
-to BF16 where the kernel does (GEMM inputs), ||out - ref|| / ||ref||, for one layer and for the
-28-layer chain; outputs are poisoned with NaN first.
+Numerics, before any timing of a plan and in the same process: the kernel's outputs (residual FP32,
+qkv BF16) against a torch FP32 reference that rounds to BF16 where the kernel does (GEMM inputs),
+||out - ref|| / ||ref||, for one layer (two fresh draws) and for the 28-layer chain; outputs are
+poisoned with NaN first. A plan whose numerics fail is not timed. Every wait on the GPU has a
+deadline: a kernel that does not finish (a dependency deadlock) ends the process with exit code 3.
 
     python3 benchmarks/gpu/persistent_bench.py --lib build/persistent/libpersistent.so \
-        [--rows 64 176 512] [--json PATH]
+        [--rows 64 176 512] [--plans 128,164,128,128/1,1,1,1 ...] [--json PATH] [--experiments]
 """
 
 from __future__ import annotations
@@ -29,21 +31,46 @@ import argparse
 import ctypes
 import datetime
 import json
+import os
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 D, F, QKV, LAYERS = 1024, 2624, 3072, 28
 SHAPES = {"wo": (D, D), "wi": (2 * F, D), "wo_mlp": (D, F), "wqkv": (QKV, D)}
-PHASES = ("wo_gemm", "ln_mlp_rows", "wi_gemm", "geglu_rows", "wo_mlp_gemm", "ln_attn_rows", "wqkv_gemm",
-          "qkv_rows")
+PHASES = ("wo", "wi_geglu", "wo_mlp", "wqkv")
 WEIGHT_BYTES_PER_LAYER = 2 * sum(n * k for n, k in SHAPES.values())
+DEFAULT_PLANS = ("64,164,64,128/2,1,2,1", "128,164,128,128/1,1,1,1", "32,164,32,128/4,1,4,1",
+                 "64,164,32,128/2,1,4,1")
+REL_LIMIT_X1 = {"resid": 1e-3, "qkv": 1e-2}
+REL_LIMIT_28 = {"resid": 2e-2, "qkv": 3e-2}
 
 
-def pack(w):  # [N, K] -> the kernel's tile-contiguous layout (see persistent_layer.h)
+def pack(w):  # [N, K] -> the kernel's n8-major layout (see persistent_layer.h)
     n, k = w.shape
-    return w.reshape(n // 64, 8, 8, k // 32, 4, 8).permute(0, 3, 1, 2, 4, 5).contiguous()
+    return w.reshape(n // 8, 8, k // 32, 4, 8).permute(0, 2, 1, 3, 4).contiguous()
+
+
+def interleave_wi(wi):  # gate rows / up rows -> 8 gate rows, their 8 up rows, ...
+    two_f, k = wi.shape
+    return wi.reshape(2, two_f // 16, 8, k).permute(1, 0, 2, 3).reshape(two_f, k)
+
+
+def sync(deadline_s: float = 20.0) -> None:
+    """torch.cuda.synchronize with a deadline: a persistent kernel that deadlocks never returns."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    end = time.monotonic() + deadline_s
+    while not event.query():
+        if time.monotonic() > end:
+            print(f"HANG: the GPU did not finish within {deadline_s} s", flush=True)
+            os._exit(3)
+        time.sleep(0.0005)
+    torch.cuda.synchronize()
 
 
 def timed_graph_us(run, replays: int = 20, repeats: int = 5) -> float:
@@ -54,13 +81,13 @@ def timed_graph_us(run, replays: int = 20, repeats: int = 5) -> float:
     with torch.cuda.stream(stream):
         for _ in range(2):
             run()
-    torch.cuda.synchronize()
+    sync()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         run()
     for _ in range(3):
         graph.replay()
-    torch.cuda.synchronize()
+    sync()
     samples = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -68,7 +95,7 @@ def timed_graph_us(run, replays: int = 20, repeats: int = 5) -> float:
         for _ in range(replays):
             graph.replay()
         end.record()
-        torch.cuda.synchronize()
+        sync()
         samples.append(start.elapsed_time(end) / replays * 1000.0)
     return statistics.median(samples)
 
@@ -77,11 +104,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lib", type=Path, required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 176, 512])
-    parser.add_argument("--kc", type=int, nargs="+", default=[0], help="K chunk per task (0 = the kernel's pick)")
-    parser.add_argument("--slots", type=int, default=0)
+    parser.add_argument("--plans", nargs="+", default=list(DEFAULT_PLANS),
+                        help="tiles per phase / K splits per phase, e.g. 128,164,128,128/1,1,1,1")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--experiments", action="store_true",
-                        help="also time the 1-launch kernel without A loads / without mma (wrong results; where time goes)")
+                        help="also time the first plan's 1-launch kernel without A loads / without mma "
+                             "(wrong results; where time goes)")
     args = parser.parse_args()
 
     import torch
@@ -91,11 +119,11 @@ def main() -> int:
     torch.manual_seed(0)
     lib = ctypes.CDLL(str(args.lib))
     lib.omnigraph_persistent_workspace_bytes.restype = ctypes.c_size_t
-    lib.omnigraph_persistent_workspace_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.omnigraph_persistent_workspace_bytes.argtypes = [ctypes.c_int, ctypes.c_void_p]
     lib.omnigraph_persistent_error.restype = ctypes.c_char_p
-    lib.omnigraph_persistent_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float] + [
+    lib.omnigraph_persistent_launch.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float] + [
         ctypes.c_void_p
-    ] * 7 + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+    ] * 7 + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     identity = {
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -108,7 +136,7 @@ def main() -> int:
     def record(case: str, m: int | None, metric: str, value: float, unit: str, **extra) -> None:
         rows_out.append({"case": case, "rows": m, "metric": metric, "value": round(value, 4), "unit": unit,
                          **extra, **identity})
-        print(f"{case:<34} M={m!s:>4} {metric:<22} {value:>12.4f} {unit}", flush=True)
+        print(f"{case:<34} M={m!s:>4} {metric:<22} {value:>12.4f} {unit} {extra.get('variant', '')}", flush=True)
 
     def copy_bandwidth(label: str) -> float:  # the HBM ceiling: a 2 GiB copy, bytes read + written
         src = torch.randn(1 << 29, device="cuda")
@@ -126,7 +154,8 @@ def main() -> int:
                 for name, (n, k) in SHAPES.items()} for _ in range(LAYERS)]
     norms = [{"mlp": 1 + 0.1 * torch.randn(D, device="cuda"), "attn": 1 + 0.1 * torch.randn(D, device="cuda")}
              for _ in range(LAYERS)]
-    packed = [{name: pack(w) for name, w in layer.items()} for layer in weights]
+    packed = [{name: pack(interleave_wi(w) if name == "wi" else w) for name, w in layer.items()}
+              for layer in weights]
     pointer_table = (ctypes.c_uint64 * (6 * LAYERS))()
     for l in range(LAYERS):
         for i, ptr in enumerate([packed[l][n].data_ptr() for n in SHAPES] + [norms[l]["mlp"].data_ptr(),
@@ -146,73 +175,97 @@ def main() -> int:
     def rel(a, b) -> float:
         return float((a.float() - b.float()).norm() / b.float().norm())
 
+    failures = 0
     for m in args.rows:
         ctx = torch.randn(m, D, device="cuda").bfloat16()
         h = torch.randn(m, D, device="cuda")
         h_out = torch.empty(m, D, device="cuda")
         qkv = torch.empty(m, QKV, device="cuda", dtype=torch.bfloat16)
-        for kc in args.kc:
-            tag = f"kc={kc or 'auto'}"
-            ws = torch.zeros(lib.omnigraph_persistent_workspace_bytes(m, kc), dtype=torch.uint8, device="cuda")
+        for plan_index, plan_text in enumerate(args.plans):
+            tiles, splits = ([int(v) for v in part.split(",")] for part in plan_text.split("/"))
+            plan8 = (ctypes.c_int * 8)(*tiles, *splits)
+            tag = plan_text
+            ws = torch.zeros(lib.omnigraph_persistent_workspace_bytes(m, plan8), dtype=torch.uint8, device="cuda")
 
-            def launch(layers: int, first: int = 0, kc=kc, ws=ws, ctx=ctx, h=h, h_out=h_out, qkv=qkv, m=m, trace=None, debug=0):
+            def launch(layers: int, first: int = 0, plan8=plan8, ws=ws, ctx=ctx, h=h, h_out=h_out, qkv=qkv, m=m,
+                       trace=None, debug=0):
                 table = ctypes.c_void_p(ctypes.addressof(pointer_table) + 8 * 6 * first)
-                err = lib.omnigraph_persistent_launch(m, layers, kc, 1e-5, ctx.data_ptr(), h.data_ptr(),
+                err = lib.omnigraph_persistent_launch(m, layers, plan8, 1e-5, ctx.data_ptr(), h.data_ptr(),
                                                       h_out.data_ptr(), qkv.data_ptr(), table, ws.data_ptr(),
-                                                      torch.cuda.current_stream().cuda_stream, 0, args.slots,
+                                                      torch.cuda.current_stream().cuda_stream, 0,
                                                       None if trace is None else trace.data_ptr(), debug)
                 if err:
                     raise RuntimeError(f"launch failed: {lib.omnigraph_persistent_error(err).decode()}")
 
-            # numerics: one layer, then the 28-layer chain (stand-in attention)
-            for trial in range(2):
-                ctx.copy_(torch.randn(m, D, device="cuda").bfloat16())
-                h.copy_(torch.randn(m, D, device="cuda"))
+            # numerics: one layer (two fresh draws, twice each: the kernel must leave its state reset),
+            # then the 28-layer chain (stand-in attention)
+            ok = True
+            try:
+                for trial in range(2):
+                    ctx.copy_(torch.randn(m, D, device="cuda").bfloat16())
+                    h.copy_(torch.randn(m, D, device="cuda"))
+                    ref_out, ref_qkv = ref_layer(ctx, h, trial)
+                    for rep in range(2):
+                        h_out.fill_(float("nan"))
+                        qkv.fill_(float("nan"))
+                        launch(1, first=trial)
+                        sync()
+                        finite = bool(torch.isfinite(h_out).all() and torch.isfinite(qkv).all())
+                        er, eq = rel(h_out, ref_out), rel(qkv, ref_qkv)
+                        ok &= finite and er < REL_LIMIT_X1["resid"] and eq < REL_LIMIT_X1["qkv"]
+                        if rep == 0:
+                            record("persistent x1 numerics", m, f"rel_err_resid_t{trial}", er, "ratio", variant=tag,
+                                   all_written=finite)
+                            record("persistent x1 numerics", m, f"rel_err_qkv_t{trial}", eq, "ratio", variant=tag)
                 h_out.fill_(float("nan"))
                 qkv.fill_(float("nan"))
-                launch(1, first=trial)
-                torch.cuda.synchronize()
-                ref_out, ref_qkv = ref_layer(ctx, h, trial)
+                launch(LAYERS)
+                sync()
+                c, r = ctx, h
+                for l in range(LAYERS):
+                    r, q = ref_layer(c, r, l)
+                    c = q.bfloat16()[:, :D].contiguous()
                 finite = bool(torch.isfinite(h_out).all() and torch.isfinite(qkv).all())
-                record("persistent x1 numerics", m, f"rel_err_resid_t{trial}", rel(h_out, ref_out), "ratio",
-                       variant=tag, all_written=finite)
-                record("persistent x1 numerics", m, f"rel_err_qkv_t{trial}", rel(qkv, ref_qkv), "ratio", variant=tag)
-            h_out.fill_(float("nan"))
-            qkv.fill_(float("nan"))
-            launch(LAYERS)
-            torch.cuda.synchronize()
-            c, r = ctx, h
-            for l in range(LAYERS):
-                r, q = ref_layer(c, r, l)
-                c = q.bfloat16()[:, :D].contiguous()
-            record("persistent 1 launch numerics", m, "rel_err_resid_28", rel(h_out, r), "ratio", variant=tag,
-                   all_written=bool(torch.isfinite(h_out).all()))
-            record("persistent 1 launch numerics", m, "rel_err_qkv_28", rel(qkv, q), "ratio", variant=tag)
+                er, eq = rel(h_out, r), rel(qkv, q)
+                ok &= finite and er < REL_LIMIT_28["resid"] and eq < REL_LIMIT_28["qkv"]
+                record("persistent 1 launch numerics", m, "rel_err_resid_28", er, "ratio", variant=tag,
+                       all_written=finite)
+                record("persistent 1 launch numerics", m, "rel_err_qkv_28", eq, "ratio", variant=tag)
+            except RuntimeError as exc:
+                print(f"plan {tag} at M={m}: {exc}", flush=True)
+                ok = False
+            record("persistent numerics verdict", m, "passed", float(ok), "bool", variant=tag)
+            if not ok:
+                failures += 1
+                print(f"NUMERICS FAILED for plan {tag} at M={m}: not timed", flush=True)
+                continue
 
             # where the time goes: when each (layer, phase) completed, from %globaltimer
-            trace = torch.zeros(1 + 8 * LAYERS + 6 * 32, dtype=torch.int64, device="cuda")
+            trace = torch.zeros(1 + 4 * LAYERS + 6 * 32, dtype=torch.int64, device="cuda")
             launch(LAYERS, trace=trace)
-            torch.cuda.synchronize()
+            sync()
             stamps = trace.cpu().tolist()
-            steps = [(stamps[i + 1] - stamps[i]) / 1000.0 for i in range(8 * LAYERS)]
+            steps = [(stamps[i + 1] - stamps[i]) / 1000.0 for i in range(4 * LAYERS)]
             traced_layer = 5
-            for r in range(32):
-                phase, *moments = stamps[1 + 8 * LAYERS + 6 * r: 1 + 8 * LAYERS + 6 * r + 6]
+            for rec_i in range(32):
+                code, *moments = stamps[1 + 4 * LAYERS + 6 * rec_i: 1 + 4 * LAYERS + 6 * rec_i + 6]
                 if moments[0] == 0:
                     break
-                q = traced_layer * 8 + phase
+                phase, finisher = code & 0xFF, bool(code >> 8)
+                q = traced_layer * 4 + phase
                 prev_done = stamps[q]  # when phase q-1 completed
-                record("persistent cta0 task trace", m, f"task{r}_{PHASES[phase]}", (moments[3] - moments[2]) / 1000.0,
-                       "us", variant=tag, body_us=round((moments[3] - moments[2]) / 1000.0, 3),
+                record("persistent cta0 task trace", m, f"task{rec_i}_{PHASES[phase]}",
+                       (moments[3] - moments[2]) / 1000.0, "us", variant=tag, finisher=finisher,
+                       gemm_us=round((moments[3] - moments[2]) / 1000.0, 3),
                        dependency_wait_us=round((moments[1] - moments[0]) / 1000.0, 3),
                        seen_after_prev_phase_done_us=round((moments[1] - prev_done) / 1000.0, 3),
                        weights_wait_us=round((moments[2] - moments[1]) / 1000.0, 3),
-                       signal_us=round((moments[4] - moments[3]) / 1000.0, 3))
+                       epilogue_and_signal_us=round((moments[4] - moments[3]) / 1000.0, 3))
             for phase, name in enumerate(PHASES):
-                per = [steps[8 * l + phase] for l in range(1, LAYERS)]
+                per = [steps[4 * l + phase] for l in range(1, LAYERS)]
                 record("persistent 1 launch trace", m, f"phase{phase}_{name}_us", statistics.mean(per), "us",
                        variant=tag, first_layer=round(steps[phase], 2))
-            record("persistent 1 launch trace", m, "traced_total_us", (stamps[8 * LAYERS] - stamps[0]) / 1000.0, "us",
+            record("persistent 1 launch trace", m, "traced_total_us", (stamps[4 * LAYERS] - stamps[0]) / 1000.0, "us",
                    variant=tag)
 
             def chain28(launch=launch):
@@ -227,7 +280,7 @@ def main() -> int:
                 record(case, m, "weight_stream", tbs, "TB/s", variant=tag, fraction_of_copy=round(tbs / copy_tbs, 3),
                        fraction_of_4p8=round(tbs / 4.8, 3))
 
-            if args.experiments:
+            if args.experiments and plan_index == 0:
                 for flags, what in ((1, "no A loads"), (2, "no mma"), (3, "no A loads, no mma")):
                     us = timed_graph_us(lambda launch=launch, flags=flags: launch(LAYERS, debug=flags), repeats=3)
                     record(f"experiment 1 launch, {what}", m, "forward_us", us, "us", variant=tag)
@@ -258,18 +311,20 @@ def main() -> int:
                    fraction_of_4p8=round(tbs / 4.8, 3))
 
     copy_bandwidth("last")
-    print(f"\n{'case':<34} {'rows':>5} {'variant':>9} {'forward us':>11} {'TB/s':>7} {'of copy':>8}")
+    print(f"\n{'case':<34} {'rows':>5} {'plan':>24} {'forward us':>11} {'TB/s':>7} {'of copy':>8} {'/cuBLAS':>8}")
     for row in rows_out:
         if row["metric"] == "weight_stream":
             us = next(r["value"] for r in rows_out if r["case"] == row["case"] and r["rows"] == row["rows"]
                       and r["metric"] == "forward_us" and r.get("variant") == row.get("variant"))
-            print(f"{row['case']:<34} {row['rows']:>5} {row.get('variant', '-'):>9} {us:>11.1f} {row['value']:>7.2f}"
-                  f" {row['fraction_of_copy']:>8.3f}")
+            cublas = next(r["value"] for r in rows_out if r["case"] == "cublas gemms (112)" and r["rows"] == row["rows"]
+                          and r["metric"] == "forward_us")
+            print(f"{row['case']:<34} {row['rows']:>5} {row.get('variant', '-'):>24} {us:>11.1f} {row['value']:>7.2f}"
+                  f" {row['fraction_of_copy']:>8.3f} {us / cublas:>8.2f}")
     print(f"{identity['gpu']}, torch {identity['torch']}, CUDA {identity['cuda']}, {identity['date']}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows_out, indent=1) + "\n")
-    return 0
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

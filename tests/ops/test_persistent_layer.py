@@ -18,42 +18,97 @@ import pytest
 from omnigraph.workers.ops import reference
 from omnigraph.workers.ops.build import find_nvcc
 from omnigraph.workers.ops.persistent import (
+    D,
+    F,
+    PHASES,
     bf16_round,
+    default_plan,
     fragment_product,
+    interleave_wi,
+    layer_norm_from_sums,
     layer_tail,
     pack_weight,
+    pack_wi,
+    phase_tasks,
     unpack_weight,
 )
 
 CSRC = Path(__file__).resolve().parents[2] / "omnigraph" / "workers" / "ops" / "csrc"
+# plans the benchmark times (tiles per phase, K splits per phase); the default first
+PLANS = (
+    default_plan(64),
+    ((128, 164, 128, 128), (1, 1, 1, 1)),
+    ((32, 164, 32, 128), (4, 1, 4, 1)),
+    ((64, 164, 32, 128), (2, 1, 4, 1)),
+)
 
 
-def test_pack_weight_round_trips_and_keeps_chunks_contiguous():
+def test_pack_weight_round_trips_and_keeps_groups_contiguous():
     rng = np.random.default_rng(1)
-    w = rng.standard_normal((128, 96)).astype(np.float32)
+    w = rng.standard_normal((24, 96)).astype(np.float32)
     packed = pack_weight(w)
-    assert packed.shape == (128 * 96,)
-    np.testing.assert_array_equal(unpack_weight(packed, 128, 96), w)
-    # tile 1, k block 2: one contiguous 64 x 32 run, lane (g, t) of n8-tile nt holding W[nt*8+g, 64+t*8 : +8]
-    block = packed[(1 * 3 + 2) * 2048 : (1 * 3 + 3) * 2048].reshape(8, 32, 8)
-    for nt in (0, 7):
-        for lane in (0, 5, 31):
-            g, t = divmod(lane, 4)
-            np.testing.assert_array_equal(
-                block[nt, lane], w[64 + nt * 8 + g, 64 + t * 8 : 64 + t * 8 + 8]
-            )
+    assert packed.shape == (24 * 96,)
+    np.testing.assert_array_equal(unpack_weight(packed, 24, 96), w)
+    # group 1 (rows 8..15) is one run of 3 blocks; in block 2, lane (g, t) holds W[8+g, 64+8t : +8]
+    group = packed[1 * 8 * 96 : 2 * 8 * 96].reshape(3, 32, 8)
+    for lane in (0, 5, 31):
+        g, t = divmod(lane, 4)
+        np.testing.assert_array_equal(group[2, lane], w[8 + g, 64 + t * 8 : 64 + t * 8 + 8])
     with pytest.raises(ValueError):
-        pack_weight(np.zeros((100, 64), np.float32))
+        pack_weight(np.zeros((12, 64), np.float32))
+
+
+def test_wi_interleave_pairs_gate_and_up_groups():
+    rng = np.random.default_rng(5)
+    f, k = 24, 32
+    wi = rng.standard_normal((2 * f, k)).astype(np.float32)
+    inter = interleave_wi(wi)
+    for u in range(f // 8):
+        np.testing.assert_array_equal(inter[16 * u : 16 * u + 8], wi[8 * u : 8 * u + 8])
+        np.testing.assert_array_equal(inter[16 * u + 8 : 16 * u + 16], wi[f + 8 * u : f + 8 * u + 8])
+    # the GeGLU epilogue: packed n8 tile 2j (gate) and 2j+1 (up) give features 8j .. 8j+7
+    x = rng.standard_normal((3, k))
+    u_packed = x @ unpack_weight(pack_wi(wi), 2 * f, k).T
+    u = x @ wi.T
+    for j in range(f // 8):
+        np.testing.assert_allclose(u_packed[:, 16 * j : 16 * j + 8], u[:, 8 * j : 8 * j + 8])
+        np.testing.assert_allclose(u_packed[:, 16 * j + 8 : 16 * j + 16], u[:, f + 8 * j : f + 8 * j + 8])
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_plan_tasks_cover_every_column_and_k_block_once(plan):
+    tiles, splits = plan
+    for phase, (_, n, k, unit_groups) in enumerate(PHASES):
+        seen = np.zeros((n // 8, k // 32), dtype=int)
+        tasks = phase_tasks(phase, tiles[phase], splits[phase])
+        assert len(tasks) == tiles[phase] * splits[phase]
+        for g0, nt, b0, nb in tasks:
+            assert nt % unit_groups == 0 and g0 % unit_groups == 0 and 1 <= nt <= 8 and nb >= 1
+            seen[g0 : g0 + nt, b0 : b0 + nb] += 1
+        assert (seen == 1).all()
+        if phase in (0, 2):  # LayerNorm phases meet inside the phase: one task per CTA
+            assert len(tasks) <= 132
+    with pytest.raises(ValueError):
+        phase_tasks(1, 20, 1)  # 328 pair units / 20 tiles = 17 pairs: wider than 8 n8 groups
 
 
 def test_fragment_mapping_reproduces_the_matrix_product():
     rng = np.random.default_rng(2)
-    for m, n, k in ((16, 64, 32), (32, 128, 64)):
+    for m, n, k in ((16, 8, 32), (32, 24, 64)):
         a = rng.standard_normal((m, k))
         w = rng.standard_normal((n, k))
         np.testing.assert_allclose(
             fragment_product(a, pack_weight(w), n, k), a @ w.T, rtol=1e-12, atol=1e-12
         )
+
+
+def test_layer_norm_from_sums_matches_two_pass():
+    rng = np.random.default_rng(6)
+    y = (rng.standard_normal((4, D)) * 3 + 5).astype(np.float32)  # a mean well off zero
+    w = 1 + 0.1 * rng.standard_normal(D)
+    mean = y.astype(np.float64).mean(-1, keepdims=True)
+    ref = (y - mean) / np.sqrt(((y - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * w
+    np.testing.assert_allclose(layer_norm_from_sums(y, w), ref, rtol=1e-6, atol=1e-6)
 
 
 def test_bf16_round_matches_bit_truncation_with_ties_to_even():
@@ -112,14 +167,14 @@ def test_cuda_kernel_matches_the_semantics_for_one_layer(tmp_path):
     )
     lib = ctypes.CDLL(str(library))
     lib.omnigraph_persistent_workspace_bytes.restype = ctypes.c_size_t
-    lib.omnigraph_persistent_workspace_bytes.argtypes = [ctypes.c_int, ctypes.c_int]
+    lib.omnigraph_persistent_workspace_bytes.argtypes = [ctypes.c_int, ctypes.c_void_p]
     lib.omnigraph_persistent_launch.argtypes = (
-        [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_float]
+        [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_float]
         + [ctypes.c_void_p] * 7
-        + [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+        + [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
     )
     rng = np.random.default_rng(4)
-    d, f = 1024, 2624
+    d, f = D, F
     shapes = {"wo": (d, d), "wi": (2 * f, d), "wo_mlp": (d, f), "wqkv": (3 * d, d)}
     w = {
         k: bf16_round((rng.standard_normal(s) / np.sqrt(s[1])).astype(np.float32))
@@ -130,14 +185,17 @@ def test_cuda_kernel_matches_the_semantics_for_one_layer(tmp_path):
         (1 + 0.1 * rng.standard_normal(d)).astype(np.float32),
     )
     dev = {
-        k: torch.from_numpy(pack_weight(v)).to("cuda", torch.bfloat16)
+        k: torch.from_numpy(pack_wi(v) if k == "wi" else pack_weight(v)).to(
+            "cuda", torch.bfloat16
+        )
         for k, v in w.items()
     }
     norms = [torch.from_numpy(n1).cuda(), torch.from_numpy(n2).cuda()]
     table = (ctypes.c_uint64 * 6)(
         *[dev[k].data_ptr() for k in shapes], *[t.data_ptr() for t in norms]
     )
-    for m, kc in ((64, 0), (176, 512)):
+    for m, plan in ((64, PLANS[0]), (176, PLANS[1]), (33, PLANS[2])):
+        plan8 = (ctypes.c_int * 8)(*plan[0], *plan[1])
         ctx = bf16_round(rng.standard_normal((m, d)).astype(np.float32))
         h = rng.standard_normal((m, d)).astype(np.float32)
         ctx_d, h_d = (
@@ -149,15 +207,15 @@ def test_cuda_kernel_matches_the_semantics_for_one_layer(tmp_path):
             (m, 3 * d), float("nan"), device="cuda", dtype=torch.bfloat16
         )
         ws = torch.zeros(
-            lib.omnigraph_persistent_workspace_bytes(m, kc),
+            lib.omnigraph_persistent_workspace_bytes(m, plan8),
             dtype=torch.uint8,
             device="cuda",
         )
-        for _ in range(2):  # twice: the kernel must leave its counters reset
+        for _ in range(2):  # twice: the kernel must leave its counters and statistics reset
             err = lib.omnigraph_persistent_launch(
                 m,
                 1,
-                kc,
+                plan8,
                 1e-5,
                 ctx_d.data_ptr(),
                 h_d.data_ptr(),
@@ -167,16 +225,15 @@ def test_cuda_kernel_matches_the_semantics_for_one_layer(tmp_path):
                 ws.data_ptr(),
                 torch.cuda.current_stream().cuda_stream,
                 0,
-                0,
                 None,
                 0,
             )
             assert err == 0
             torch.cuda.synchronize()
-        out_ref, qkv_ref = layer_tail(
-            ctx, h, w["wo"], n1, w["wi"], w["wo_mlp"], n2, w["wqkv"]
-        )
-        out, qkv = out_d.cpu().numpy(), qkv_d.float().cpu().numpy()
-        assert np.isfinite(out).all() and np.isfinite(qkv).all()
-        assert np.linalg.norm(out - out_ref) / np.linalg.norm(out_ref) < 1e-3
-        assert np.linalg.norm(qkv - qkv_ref) / np.linalg.norm(qkv_ref) < 1e-2
+            out_ref, qkv_ref = layer_tail(
+                ctx, h, w["wo"], n1, w["wi"], w["wo_mlp"], n2, w["wqkv"]
+            )
+            out, qkv = out_d.cpu().numpy(), qkv_d.float().cpu().numpy()
+            assert np.isfinite(out).all() and np.isfinite(qkv).all()
+            assert np.linalg.norm(out - out_ref) / np.linalg.norm(out_ref) < 1e-3
+            assert np.linalg.norm(qkv - qkv_ref) / np.linalg.norm(qkv_ref) < 1e-2
