@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from omnigraph.workers.wire import WireError
 
 if TYPE_CHECKING:
-    from omnigraph.workers.placement import PlacementReport
+    from omnigraph.workers.reports import PlacementReport
 
 __all__ = [
     "WireError", "WorkerError", "WorkerDied", "WorkerBusy", "WorkerTimeout", "WorkerStartFailed",

@@ -10,81 +10,16 @@ counted (constant-folded or fused-away nodes are no longer nodes).
 from __future__ import annotations
 
 import json
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from omnigraph.workers.errors import PlacementRefused
+from omnigraph.workers.reports import PlacementReport
+
+# PlacementReport lives in reports.py (errors.py names it too); it is re-exported here.
+__all__ = ["KERNEL_SUFFIX", "PlacementReport", "check_placement", "placement_from_events", "placement_from_profile"]
 
 KERNEL_SUFFIX = "_kernel_time"
-SOURCE_PROFILE = "ort_profile"
-SOURCE_UNAVAILABLE = "unavailable"
-
-
-@dataclass(frozen=True)
-class PlacementReport:
-    """The provider of every executed node.
-
-    ``node_providers`` maps node name -> provider, ``nodes_by_provider`` counts them,
-    ``fraction_on_target`` is the share run by ``target_provider`` (None when ORT gave no
-    information: ``source`` is then "unavailable" and ``note`` says why).
-    """
-
-    target_provider: str
-    nodes_by_provider: Mapping[str, int]
-    node_providers: Mapping[str, str]
-    node_ops: Mapping[str, str]
-    fraction_on_target: float | None
-    source: str = SOURCE_PROFILE
-    note: str = ""
-
-    def off_target_nodes(self) -> dict[str, str]:
-        """node name -> provider for every node the target provider did not run."""
-        return {n: p for n, p in self.node_providers.items() if p != self.target_provider}
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "target_provider": self.target_provider,
-            "nodes_by_provider": dict(self.nodes_by_provider),
-            "node_providers": dict(self.node_providers),
-            "node_ops": dict(self.node_ops),
-            "fraction_on_target": self.fraction_on_target,
-            "source": self.source,
-            "note": self.note,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> PlacementReport:
-        return cls(
-            target_provider=data["target_provider"],
-            nodes_by_provider=dict(data["nodes_by_provider"]),
-            node_providers=dict(data["node_providers"]),
-            node_ops=dict(data["node_ops"]),
-            fraction_on_target=data["fraction_on_target"],
-            source=data["source"],
-            note=data["note"],
-        )
-
-    @classmethod
-    def from_nodes(cls, target_provider: str, nodes: Mapping[str, tuple[str, str]]) -> PlacementReport:
-        """From node name -> (provider, op type)."""
-        providers = {name: provider for name, (provider, _) in nodes.items()}
-        counts = Counter(providers.values())
-        fraction = counts[target_provider] / len(providers) if providers else None
-        return cls(
-            target_provider=target_provider,
-            nodes_by_provider=dict(counts),
-            node_providers=providers,
-            node_ops={name: op for name, (_, op) in nodes.items()},
-            fraction_on_target=fraction,
-            source=SOURCE_PROFILE if providers else SOURCE_UNAVAILABLE,
-            note="" if providers else "the ORT profile held no node events",
-        )
-
-    @classmethod
-    def unavailable(cls, target_provider: str, note: str) -> PlacementReport:
-        return cls(target_provider, {}, {}, {}, None, SOURCE_UNAVAILABLE, note)
 
 
 def placement_from_events(events: Sequence[Mapping[str, Any]], target_provider: str) -> PlacementReport:
