@@ -131,7 +131,7 @@ def _request(state: str, questions: Mapping[str, Any]) -> dict:
 
 def build_requests(checkpoint: Path, lengths: tuple[int, ...]) -> list[LengthRequests]:
     """For each length, the state (STATE_TEXT's words, cycled) whose timed row comes closest to it."""
-    from omnigraph.pipelines.laya.request import parse_request
+    from omnigraph.pipelines.system_one.request import parse_request
     from omnigraph.pipelines.laya.sequence import LayaTokenizer, build_row
 
     tokenizer = LayaTokenizer(checkpoint / "tokenizer" / "tokenizer.json",

@@ -114,7 +114,7 @@ def stage_calls(size: str, seed: int, harness: Any,
     from omnigraph.pipelines.laya.batching import LayaBatchAdapter
     from omnigraph.pipelines.laya.export import cached_bundle
     from omnigraph.pipelines.laya.processor import LayaProcessor
-    from omnigraph.pipelines.laya.request import parse_request
+    from omnigraph.pipelines.system_one.request import parse_request
     from omnigraph.pipelines.laya.sequence import LayaTokenizer, build_row, collate, pack_batches
     from omnigraph.pipelines.laya.synth import cached_checkpoint
     from omnigraph.workers.route import WorkerRoute

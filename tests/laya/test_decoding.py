@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from omnigraph.pipelines.laya.decoding import Calibration, act_probabilities, decode_answer, temperature_bucket
-from omnigraph.pipelines.laya.request import RequestLimits, parse_request
+from omnigraph.pipelines.system_one.request import RequestLimits, parse_request
 
 TEMPERATURE = [1.2, 0.9, 1.5]
 BY_OPTIONS = {"choice:2": 1.1, "choice:3-5": 1.35, "choice:11+": 0.1006, "score:3-5": 7.0}

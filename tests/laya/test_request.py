@@ -11,8 +11,8 @@ import copy
 
 import pytest
 
-from omnigraph.pipelines.laya.request import RequestLimits, parse_request
 from omnigraph.pipelines.processor import RequestInvalid, RequestTooLarge
+from omnigraph.pipelines.system_one.request import RequestLimits, parse_request
 
 STATE = "Please refund the duplicate charge."
 

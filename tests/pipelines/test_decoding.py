@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from omnigraph.pipelines.decoding import (
+from omnigraph.pipelines.system_one.decoding import (
     choice_answer,
     decision_response,
     entropy_confidence,

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from omnigraph.pipelines.qwen.synth import SPECIAL_TOKENS, synthesize_qwen3_backbone
+from omnigraph.pipelines.system_one.qwen3_synth import SPECIAL_TOKENS, synthesize_qwen3_backbone
 
 CHAT_TEMPLATE = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
 

@@ -33,8 +33,8 @@ from omnigraph.pipelines.deploy import (
     resolve_pipeline,
     validate_deploy_config,
 )
-from omnigraph.pipelines.qwen.synth import synthesize_qwen3_backbone
 from omnigraph.pipelines.registry import register_pipeline
+from omnigraph.pipelines.system_one.qwen3_synth import synthesize_qwen3_backbone
 from omnigraph.plugin.omni import DEFAULT_NATIVE_ENGINE_ARGS, AsyncOmni, build_plan
 from omnigraph.stages.errors import DeadlineExceeded, RequestCancelled, StageStartupError, StageUnavailable
 from omnigraph.stages.ledger import ResourceLedger

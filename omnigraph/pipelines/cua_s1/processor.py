@@ -20,9 +20,9 @@ from tokenizers import Tokenizer
 
 from omnigraph.pipelines.cua_s1.prompt import LETTERS, ChatPrompter, PromptTemplate, letter_token_ids
 from omnigraph.pipelines.cua_s1.request import CUA_S1_LIMITS, ChoiceQuestion, ChoiceRequest, parse_choice_request
-from omnigraph.pipelines.decoding import choice_answer, decision_response, softmax, to_option_order
-from omnigraph.pipelines.laya.request import RequestLimits
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestTooLarge
+from omnigraph.pipelines.system_one.decoding import choice_answer, decision_response, softmax, to_option_order
+from omnigraph.pipelines.system_one.request import RequestLimits
 
 if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle

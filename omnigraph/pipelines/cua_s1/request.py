@@ -1,7 +1,7 @@
 """Validation of a decision request for Cua-S1, which answers ``choice`` questions only.
 
 The body is the Decision API's (``{"model"?, "state", "questions"}``). It is checked whole by the
-shared strict parser (``omnigraph.pipelines.laya.request.parse_request``: fields, types, lone
+shared strict parser (``omnigraph.pipelines.system_one.request.parse_request``: fields, types, lone
 surrogates, duplicate labels, ``option_order``, size limits), then against Cua-S1's contract:
 every question a ``choice`` with 2 to 26 options. Each option is shown to the model by its
 description when the criteria give one, else by its label, as the Cua Driver's decision model
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from omnigraph.pipelines.cua_s1.prompt import LETTERS
-from omnigraph.pipelines.laya.request import RequestLimits, parse_request
 from omnigraph.pipelines.processor import RequestInvalid
+from omnigraph.pipelines.system_one.request import RequestLimits, parse_request
 
 __all__ = ["MIN_OPTIONS", "CUA_S1_LIMITS", "ChoiceQuestion", "ChoiceRequest", "parse_choice_request"]
 

@@ -33,8 +33,8 @@ from safetensors.numpy import load_file, save_file
 
 from omnigraph.bundles import staged_bundle_dir
 from omnigraph.bundles.cache import cached_folder
-from omnigraph.pipelines.qwen.synth import GENERATOR_VERSION as BACKBONE_GENERATOR_VERSION
-from omnigraph.pipelines.qwen.synth import synthesize_qwen3_backbone
+from omnigraph.pipelines.system_one.qwen3_synth import GENERATOR_VERSION as BACKBONE_GENERATOR_VERSION
+from omnigraph.pipelines.system_one.qwen3_synth import synthesize_qwen3_backbone
 
 __all__ = [
     "BASE_DIR",

@@ -5,7 +5,7 @@ graph's float32 logits, so an answer rounds to the same 4 decimals as the refere
 temperature by question type and option-count bucket (clamped to [0.5, 5.0]), a softmax over the
 question's own options only, ties to the first option, ``confidence = 1 - H / ln k`` (noul:
 ``max(p_true, 1 - p_true)``), ``answer_confidence = max(p)``, ``score = sum(i * p_i)`` (the
-Decision API's answer, ``omnigraph.pipelines.decoding``) and
+Decision API's answer, ``omnigraph.pipelines.system_one.decoding``) and
 ``act_probability = softmax(act_logits)[0]``.
 """
 
@@ -17,8 +17,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from omnigraph.pipelines.decoding import DECIMALS, question_answer, softmax, to_option_order
-from omnigraph.pipelines.laya.request import QUESTION_TYPES, Question
+from omnigraph.pipelines.system_one.decoding import DECIMALS, question_answer, softmax, to_option_order
+from omnigraph.pipelines.system_one.request import QUESTION_TYPES, Question
 
 __all__ = ["TEMPERATURE_MIN", "TEMPERATURE_MAX", "Calibration", "temperature_bucket", "act_probabilities",
            "decode_answer"]

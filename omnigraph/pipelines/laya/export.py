@@ -44,8 +44,8 @@ from tokenizers import Tokenizer
 from omnigraph import __version__ as omnigraph_version
 from omnigraph.bundles import VerifiedBundle, pack_bundle, sha256_file, staged_bundle_dir, verify_bundle
 from omnigraph.bundles.cache import cached_folder
-from omnigraph.pipelines.decoding import softmax
 from omnigraph.pipelines.export import BundleValidationFailed, exporter_info, versioned_calibration
+from omnigraph.pipelines.laya import ort_encoder
 from omnigraph.pipelines.laya.graph import (
     MASKED_LOGIT,
     CheckpointInvalid,
@@ -55,11 +55,11 @@ from omnigraph.pipelines.laya.graph import (
     load_checkpoint_weights,
     read_json,
 )
-from omnigraph.pipelines.laya import ort_encoder
 from omnigraph.pipelines.laya.processor import COMPONENT
-from omnigraph.pipelines.laya.request import QUESTION_TYPES
 from omnigraph.pipelines.laya.sequence import OPTION_TOKEN_LIMIT, BatchLayout
 from omnigraph.pipelines.laya.synth import cached_checkpoint
+from omnigraph.pipelines.system_one.decoding import softmax
+from omnigraph.pipelines.system_one.request import QUESTION_TYPES
 
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
 EXPORTER_VERSION = 5

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
-from omnigraph.pipelines.decoding import decision_response
 from omnigraph.pipelines.laya.decoding import Calibration, act_probabilities, decode_answer
-from omnigraph.pipelines.laya.request import DecisionRequest, Question, RequestLimits, parse_request
 from omnigraph.pipelines.laya.sequence import (
     OPTION_TOKEN_LIMIT, PROMPT_TEMPLATE, BatchLayout, Head, LayaTokenizer, Row, build_head, collate, head_row,
     pack_batches,
 )
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid
+from omnigraph.pipelines.system_one.decoding import decision_response
+from omnigraph.pipelines.system_one.request import DecisionRequest, Question, RequestLimits, parse_request
 
 if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 
-from omnigraph.pipelines.laya.request import NOUL_DEFAULT_TEXTS, QUESTION_TYPES, Question
+from omnigraph.pipelines.system_one.request import NOUL_DEFAULT_TEXTS, QUESTION_TYPES, Question
 
 __all__ = [
     "OPTION_TOKEN_LIMIT",

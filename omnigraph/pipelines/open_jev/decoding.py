@@ -4,7 +4,7 @@ The head scores every prompt on its own (``head_w . h + b``, float64); only here
 scores brought together, and only that question's: ``p = softmax((v - max(v)) / T)`` over its
 complete candidate set with the checkpoint's temperature T, where a noul question's single score
 ``s`` becomes the two logits ``[0, s]`` (false, true). The answer is then the Decision API's
-(``omnigraph.pipelines.decoding``: ties to the first candidate, entropy confidence, 4 decimals).
+(``omnigraph.pipelines.system_one.decoding``: ties to the first candidate, entropy confidence, 4 decimals).
 Open-Jev has no action head, so its answers carry no ``action``.
 """
 
@@ -16,8 +16,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from omnigraph.pipelines.decoding import question_answer, softmax
-from omnigraph.pipelines.laya.request import Question
+from omnigraph.pipelines.system_one.decoding import question_answer, softmax
+from omnigraph.pipelines.system_one.request import Question
 
 __all__ = ["Calibration", "decode_answer", "question_probabilities"]
 

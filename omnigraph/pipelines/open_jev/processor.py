@@ -1,6 +1,6 @@
 """The Open-Jev processor: decision requests in, candidate prompts out, and back again.
 
-``prepare`` validates the whole request (the Decision API's rules, ``laya/request.py``, plus
+``prepare`` validates the whole request (the Decision API's rules, ``system_one/request.py``, plus
 Open-Jev's own: no noul ``labels``, every prompt within the backbone's ``max_model_len``), renders
 one prompt per candidate (noul: the yes-question) with the bundle's prompt template
 (``prompt.py``) and tokenizes them with the bundle's backbone tokenizer. Each question becomes one
@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import numpy as np
 from tokenizers import Tokenizer
 
-from omnigraph.pipelines.laya.request import (
-    NOUL_DEFAULT_TEXTS, DecisionRequest, Question, RequestLimits, parse_request,
-)
-from omnigraph.pipelines.decoding import decision_response
 from omnigraph.pipelines.open_jev.decoding import Calibration, decode_answer
 from omnigraph.pipelines.open_jev.prompt import PromptTemplate, content_text, question_prompts
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid, RequestTooLarge
+from omnigraph.pipelines.system_one.decoding import decision_response
+from omnigraph.pipelines.system_one.request import (
+    NOUL_DEFAULT_TEXTS, DecisionRequest, Question, RequestLimits, parse_request,
+)
 
 if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle

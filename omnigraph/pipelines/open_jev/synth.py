@@ -41,8 +41,8 @@ from omnigraph.bundles import staged_bundle_dir
 from omnigraph.bundles.cache import cached_folder
 from omnigraph.pipelines.open_jev.processor import WARMUP_REQUEST
 from omnigraph.pipelines.open_jev.prompt import DEFAULT_PROMPT_TEMPLATE, content_text, question_prompts
-from omnigraph.pipelines.qwen.synth import GENERATOR_VERSION as BACKBONE_GENERATOR_VERSION
-from omnigraph.pipelines.qwen.synth import synthesize_qwen3_backbone
+from omnigraph.pipelines.system_one.qwen3_synth import GENERATOR_VERSION as BACKBONE_GENERATOR_VERSION
+from omnigraph.pipelines.system_one.qwen3_synth import synthesize_qwen3_backbone
 
 __all__ = [
     "BACKBONE_DIR",

@@ -1,4 +1,4 @@
-"""Validation of a Laya decision request into typed questions.
+"""Validation of a System One decision request into typed questions, for every decision model.
 
 The request is the body of ``POST /v1/systemone``: ``{"model"?, "state", "questions"}``. It is
 checked whole, before anything is tokenized, and refused with ``RequestInvalid`` naming the dotted
