@@ -42,8 +42,7 @@ D, F, QKV, LAYERS = 1024, 2624, 3072, 28
 SHAPES = {"wo": (D, D), "wi": (2 * F, D), "wo_mlp": (D, F), "wqkv": (QKV, D)}
 PHASES = ("wo", "wi_geglu", "wo_mlp", "wqkv")
 WEIGHT_BYTES_PER_LAYER = 2 * sum(n * k for n, k in SHAPES.values())
-DEFAULT_PLANS = ("64,164,64,128/2,1,2,1", "128,164,128,128/1,1,1,1", "32,164,32,128/4,1,4,1",
-                 "64,164,32,128/2,1,4,1")
+DEFAULT_PLANS = ("64,132,64,128/2,1,2,1", "64,164,64,128/2,1,2,1", "64,132,64,132/2,1,2,1")
 REL_LIMIT_X1 = {"resid": 1e-3, "qkv": 1e-2}
 REL_LIMIT_28 = {"resid": 2e-2, "qkv": 3e-2}
 

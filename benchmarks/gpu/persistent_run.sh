@@ -8,7 +8,7 @@ set -u
 OUT=${OUT:-/tmp/persistent-out}
 mkdir -p "$OUT"
 LIB=build/persistent/libpersistent.so
-PLANS=${PLANS:-"64,164,64,128/2,1,2,1 128,164,128,128/1,1,1,1 32,164,32,128/4,1,4,1 64,164,32,128/2,1,4,1"}
+PLANS=${PLANS:-"64,132,64,128/2,1,2,1 64,164,64,128/2,1,2,1 64,132,64,132/2,1,2,1"}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv | tee "$OUT/gpu.txt"
 mkdir -p build/persistent
 /usr/local/cuda/bin/nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -Xcompiler -fPIC,-fvisibility=hidden \

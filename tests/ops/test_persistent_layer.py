@@ -37,8 +37,9 @@ CSRC = Path(__file__).resolve().parents[2] / "omnigraph" / "workers" / "ops" / "
 # plans the benchmark times (tiles per phase, K splits per phase); the default first
 PLANS = (
     default_plan(64),
+    ((64, 164, 64, 128), (2, 1, 2, 1)),
     ((128, 164, 128, 128), (1, 1, 1, 1)),
-    ((32, 164, 32, 128), (4, 1, 4, 1)),
+    ((64, 132, 64, 132), (2, 1, 2, 1)),
     ((64, 164, 32, 128), (2, 1, 4, 1)),
 )
 

@@ -100,7 +100,7 @@ def pack_wi(wi: np.ndarray) -> np.ndarray:
 def default_plan(m: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(tiles per phase, K splits per phase): the kernel's DefaultPlan."""
     del m
-    return (64, 164, 64, 128), (2, 1, 2, 1)
+    return (64, 132, 64, 128), (2, 1, 2, 1)
 
 
 def phase_tasks(phase: int, tiles: int, splits: int) -> list[tuple[int, int, int, int]]:

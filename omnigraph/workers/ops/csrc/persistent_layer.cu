@@ -717,7 +717,7 @@ int MaxTaskBytes(const PhasePlan* ph) {
 void DefaultPlan(int m, Plan* plan) {
   (void)m;
   // the best of the plans measured on the H200 (round 10): see benchmarks/results/persistent-h200.md
-  static const int kTiles[kPhases] = {64, 164, 64, 128};
+  static const int kTiles[kPhases] = {64, 132, 64, 128};
   static const int kSplits[kPhases] = {2, 1, 2, 1};
   for (int i = 0; i < kPhases; ++i) {
     plan->tiles[i] = kTiles[i];
