@@ -43,12 +43,12 @@ class StagePipelineConfig:
     without it, outputs pass on by name. Exactly one stage of a pipeline is its `final_output`.
     `max_batch_rows` > 1 lets a graph stage merge queued work items of different requests into one
     call of at most that many rows (axis 0); 1 (the default) runs each work item alone. Where set,
-    `max_batch_tokens`, `max_batch_markers` and `max_batch_bytes` bound the call's padded tokens
-    (rows x length), marker slots (rows x slots) and input bytes; `batch_wait_us` is how long a
-    free replica waits for more work (None: the engine's measured default). `batch_adapter` names
-    the model's `BatchAdapter` class (constructed with the stage's bundle and route), which groups, packs and
-    unpacks its work items (None: items identical except along axis 0 are concatenated). The deploy
-    YAML's `batching:` overrides each limit per stage.
+    `max_batch_tokens` and `max_batch_bytes` bound the call's padded tokens (rows x length) and
+    input bytes; `batch_wait_us` is how long a free replica waits for more work (None: the
+    engine's measured default). `batch_adapter` names the model's `BatchAdapter` class
+    (constructed with the stage's bundle and route), which groups, packs and unpacks its work
+    items and keeps any cap only the model knows (None: items identical except along axis 0 are
+    concatenated). The deploy YAML's `batching:` overrides each limit per stage.
     """
 
     stage_id: int
@@ -60,7 +60,6 @@ class StagePipelineConfig:
     custom_process_input_func: str | None = None
     max_batch_rows: int = 1
     max_batch_tokens: int | None = None
-    max_batch_markers: int | None = None
     max_batch_bytes: int | None = None
     batch_wait_us: int | None = None
     batch_adapter: str | None = None
@@ -93,8 +92,7 @@ class StagePipelineConfig:
         check_dotted(self.custom_process_input_func, f"{where}: custom_process_input_func")
         check_dotted(self.batch_adapter, f"{where}: batch_adapter")
         for name, minimum, optional in (("max_batch_rows", 1, False), ("max_batch_tokens", 1, True),
-                                        ("max_batch_markers", 1, True), ("max_batch_bytes", 1, True),
-                                        ("batch_wait_us", 0, True)):
+                                        ("max_batch_bytes", 1, True), ("batch_wait_us", 0, True)):
             value = getattr(self, name)
             if value is None and optional:
                 continue

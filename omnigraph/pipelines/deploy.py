@@ -217,15 +217,24 @@ class RestartConfig(_Strict):
 class BatchingConfig(_Strict):
     """Cross-request batching of a graph stage; every key left out keeps the pipeline's declared
     value (`StagePipelineConfig`). `max_batch_rows` bounds the rows of one call (1: every work
-    item runs alone, batching off); `max_batch_tokens`, `max_batch_markers`, `max_batch_bytes`
-    bound its padded tokens (rows x length), marker slots and input bytes; `batch_wait_us` is how
-    long a free replica waits for more compatible work (0: take only what is already queued)."""
+    item runs alone, batching off); `max_batch_tokens`, `max_batch_bytes` bound its padded tokens
+    (rows x length) and input bytes; `batch_wait_us` is how long a free replica waits for more
+    compatible work (0: take only what is already queued). `max_batch_markers` is refused with
+    its replacement named: a cap only one model knows is its batch adapter's own."""
 
     max_batch_rows: int | None = Field(default=None, ge=1)
     max_batch_tokens: int | None = Field(default=None, ge=1)
-    max_batch_markers: int | None = Field(default=None, ge=1)
     max_batch_bytes: int | None = Field(default=None, ge=1)
     batch_wait_us: int | None = Field(default=None, ge=0, le=MAX_BATCH_WAIT_US)
+    max_batch_markers: None = Field(default=None, exclude=True)  # refused below; never a limit
+
+    @field_validator("max_batch_markers", mode="before")
+    @classmethod
+    def _refuse_max_batch_markers(cls, value: Any) -> None:
+        raise ValueError("is no longer a batching key: the engine's batch limits are max_batch_rows, "
+                         "max_batch_tokens and max_batch_bytes, which every model declares; Laya's "
+                         "marker-slot cap (2048 padded rows x slots per call) is its batch adapter's own. "
+                         "Remove it, and bound a call with max_batch_tokens or max_batch_bytes instead")
 
 
 class StageDeployConfig(_Strict):
@@ -369,7 +378,6 @@ def _inline_pipeline(deploy: DeployConfig) -> PipelineConfig:
                 custom_process_input_func=stage.custom_process_input_func,
                 max_batch_rows=stage.batching.max_batch_rows or 1,
                 max_batch_tokens=stage.batching.max_batch_tokens,
-                max_batch_markers=stage.batching.max_batch_markers,
                 max_batch_bytes=stage.batching.max_batch_bytes,
                 batch_wait_us=stage.batching.batch_wait_us,
             ))

@@ -4,11 +4,13 @@ Every queued work item of a stage is bound for the same loaded bundle (one ident
 layout per stage), so what decides whether two items may share a worker call is the stage's
 *batch adapter*: its `group` of an item (e.g. Laya's length class: same input names and dtypes,
 sequence lengths within one power-of-two class) must match, and the packed call's padded size
-(`BatchShape`: rows, tokens, markers, bytes) must stay within the stage's `BatchLimits`, declared
-by the pipeline (`StagePipelineConfig.max_batch_*`) and overridable per stage in the deploy YAML
-(`batching:`). The adapter packs the items' inputs into one call (padding rows, lengths and marker
-slots to its buckets) and unpacks the outputs back to each item, so a request only ever sees its
-own rows. A model names its adapter by a dotted string (`StagePipelineConfig.batch_adapter`; the
+(`BatchShape`: rows, tokens, bytes) must stay within the stage's `BatchLimits`, declared by the
+pipeline (`StagePipelineConfig.max_batch_*`) and overridable per stage in the deploy YAML
+(`batching:`). Those limits speak only of what every model has: rows, tokens and bytes. A cap
+that only one model knows (Laya's marker slots per call) is its adapter's own (`fits`), kept in
+the model's folder. The adapter packs the items' inputs into one call (padding rows, lengths and
+its own axes to its buckets) and unpacks the outputs back to each item, so a request only ever
+sees its own rows. A model names its adapter by a dotted string (`StagePipelineConfig.batch_adapter`; the
 engine never imports a model); without one, `AxisZeroAdapter` merges items whose inputs are
 identical except along axis 0. Both are only sound when the graph's every input and output leads
 with one symbolic batch dim used nowhere else: `batch_axis_problem` checks that once, from the
@@ -59,7 +61,6 @@ class BatchShape(NamedTuple):
 
     rows: int              # rows of the packed call (axis 0, padding included)
     tokens: int            # rows x padded sequence length (0 for a graph without a sequence axis)
-    markers: int           # rows x padded marker slots (0 for a graph without markers)
     bytes: int             # bytes of every packed input
     real_rows: int         # rows that belong to a request
     real_tokens: int       # tokens that belong to a request (attention mask set)
@@ -67,17 +68,18 @@ class BatchShape(NamedTuple):
 
 class Footprint(NamedTuple):
     """What one queued item adds to a call; items combine by adding rows and tokens and taking
-    the widest length, marker count and row size (`combine`)."""
+    the widest length, row size and adapter widths (`combine`)."""
 
     rows: int
     tokens: int = 0        # real tokens of its rows
     length: int = 0        # the sequence length its rows are padded to
-    markers: int = 0       # marker slots per row
     row_bytes: int = 0     # input bytes per row at its own shape
+    widths: tuple[int, ...] = ()  # the widths of the adapter's own padded axes (Laya: marker slots)
 
     def combine(self, other: Footprint) -> Footprint:
+        widths = self.widths if self.widths == other.widths else tuple(map(max, self.widths, other.widths))
         return Footprint(self.rows + other.rows, self.tokens + other.tokens, max(self.length, other.length),
-                         max(self.markers, other.markers), max(self.row_bytes, other.row_bytes))
+                         max(self.row_bytes, other.row_bytes), widths)
 
 
 class BatchAdapter(Protocol):
@@ -92,6 +94,10 @@ class BatchAdapter(Protocol):
 
     def padded(self, total: Footprint) -> BatchShape:
         """The packed call's size for items whose footprints combine to `total`."""
+
+    def fits(self, total: Footprint) -> bool:
+        """Whether items whose footprints combine to `total` may share one call as far as the
+        model's own caps go, beyond the stage's rows, tokens and bytes (the default: always)."""
 
     def pack(self, items: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """One call's inputs for `items`, in order, padded to the adapter's buckets."""
@@ -122,8 +128,11 @@ class AxisZeroAdapter:
         return Footprint(rows=rows, row_bytes=row_bytes)
 
     def padded(self, total: Footprint) -> BatchShape:
-        return BatchShape(rows=total.rows, tokens=0, markers=0, bytes=total.rows * total.row_bytes,
+        return BatchShape(rows=total.rows, tokens=0, bytes=total.rows * total.row_bytes,
                           real_rows=total.rows, real_tokens=0)
+
+    def fits(self, total: Footprint) -> bool:
+        return True
 
     def pack(self, items: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         if len(items) == 1:
@@ -167,14 +176,13 @@ def batch_axis_problem(report: LoadReport) -> str | None:
 @dataclass(frozen=True)
 class BatchLimits:
     """What one call of a stage may hold: at most `max_rows` rows (1: every item runs alone) and,
-    where set, `max_tokens`, `max_markers`, `max_bytes` of its padded shape; a free replica waits
+    where set, `max_tokens`, `max_bytes` of its padded shape; a free replica waits
     up to `wait_us` for more work while the call has room. An item beyond a limit on its own still
     runs (alone): limits bound merging, the processor bounds a request. Built by `for_stage` from
     values the pipeline declaration and the deploy YAML have already validated."""
 
     max_rows: int = 1
     max_tokens: int | None = None
-    max_markers: int | None = None
     max_bytes: int | None = None
     wait_us: int = DEFAULT_BATCH_WAIT_US
 
@@ -187,21 +195,18 @@ class BatchLimits:
 
         wait = pick("batch_wait_us")
         return cls(max_rows=pick("max_batch_rows"), max_tokens=pick("max_batch_tokens"),
-                   max_markers=pick("max_batch_markers"), max_bytes=pick("max_batch_bytes"),
-                   wait_us=DEFAULT_BATCH_WAIT_US if wait is None else wait)
+                   max_bytes=pick("max_batch_bytes"), wait_us=DEFAULT_BATCH_WAIT_US if wait is None else wait)
 
     def admits(self, shape: BatchShape) -> bool:
         """True when a call of `shape` is within every limit."""
         return (shape.rows <= self.max_rows
                 and (self.max_tokens is None or shape.tokens <= self.max_tokens)
-                and (self.max_markers is None or shape.markers <= self.max_markers)
                 and (self.max_bytes is None or shape.bytes <= self.max_bytes))
 
     def to_dict(self) -> dict[str, int | None]:
         """The deploy YAML's keys and their values in force."""
         return {"max_batch_rows": self.max_rows, "max_batch_tokens": self.max_tokens,
-                "max_batch_markers": self.max_markers, "max_batch_bytes": self.max_bytes,
-                "batch_wait_us": self.wait_us}
+                "max_batch_bytes": self.max_bytes, "batch_wait_us": self.wait_us}
 
 
 class Queued:
@@ -294,7 +299,8 @@ class StageQueue:
 
     def _gather_locked(self, batch: list[Queued], total: Footprint) -> Footprint:
         """Move queued items of the batch's group into it while the padded call stays within the
-        limits; cancelled items leave the queue unseen. The batch's combined footprint."""
+        limits and the adapter's own caps; cancelled items leave the queue unseen. The batch's
+        combined footprint."""
         group = batch[0].group
         kept: deque[Queued | object] = deque()
         for entry in self._entries:
@@ -305,7 +311,7 @@ class StageQueue:
                 continue
             if entry.group == group:  # type: ignore[union-attr]
                 combined = total.combine(entry.footprint)  # type: ignore[union-attr]
-                if self.limits.admits(self.adapter.padded(combined)):
+                if self.adapter.fits(combined) and self.limits.admits(self.adapter.padded(combined)):
                     batch.append(entry)  # type: ignore[arg-type]
                     total = combined
                     continue

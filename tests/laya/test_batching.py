@@ -179,13 +179,14 @@ class Item:
         return True
 
 
-def test_length_classes_and_token_and_marker_limits_bound_what_a_call_holds(processor, adapter):
+def test_length_classes_token_limits_and_the_marker_cap_bound_what_a_call_holds(processor, adapter,
+                                                                                 fixed_shape_bundle):
     work = {i: processor.prepare(request).work[0] for i, request in enumerate(REQUESTS)}
     lengths = {i: item["input_ids"].shape[1] for i, item in work.items()}
     long_class = [i for i in work if lengths[i] > 128]
     assert long_class and len(long_class) < len(work)  # the 150-word state runs in another class
 
-    def batches(**limits):
+    def batches(adapter=adapter, **limits):
         stage_queue = StageQueue(BatchLimits(max_rows=32, wait_us=0, **limits), adapter)
         for i, tensors in work.items():
             stage_queue.put(Item(str(i), tensors))
@@ -194,16 +195,25 @@ def test_length_classes_and_token_and_marker_limits_bound_what_a_call_holds(proc
             taken.append([int(entry.item.request_id) for entry in stage_queue.take()])
         return taken
 
+    def total(batch, adapter=adapter):
+        return functools.reduce(Footprint.combine, [adapter.footprint(work[i]) for i in batch])
+
     unlimited = batches()
     assert sorted(i for batch in unlimited for i in batch) == list(work)
     for batch in unlimited:  # one length class per call: no row padded past twice its own bucket
         assert max(lengths[i] for i in batch) <= 2 * min(lengths[i] for i in batch)
-    for limit in ({"max_tokens": 256}, {"max_markers": 16}):
-        limited = batches(**limit)
-        assert len(limited) > len(unlimited)
-        for batch in limited:  # an item beyond a limit on its own still runs, alone
-            total = functools.reduce(Footprint.combine, [adapter.footprint(work[i]) for i in batch])
-            assert len(batch) == 1 or BatchLimits(max_rows=32, **limit).admits(adapter.padded(total))
+    limited = batches(max_tokens=256)  # an engine limit
+    assert len(limited) > len(unlimited)
+    for batch in limited:  # an item beyond a limit on its own still runs, alone
+        assert len(batch) == 1 or BatchLimits(max_rows=32, max_tokens=256).admits(adapter.padded(total(batch)))
+    # Laya's own cap on padded rows x marker slots (2048 by default) is the adapter's, not the engine's
+    assert adapter.fits(total(list(work)[:1]))
+    tight = LayaBatchAdapter(verify_bundle(fixed_shape_bundle), route(ep="cuda", enable_cuda_graph=True),
+                             max_marker_slots=16)
+    capped = batches(adapter=tight)
+    assert len(capped) > len(unlimited)
+    for batch in capped:
+        assert len(batch) == 1 or tight.fits(total(batch, tight))
 
 
 class FailingFinish:

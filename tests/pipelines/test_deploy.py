@@ -47,17 +47,28 @@ def test_relative_manifest_resolves_against_the_yaml(tmp_path, bundle_dir):
     # defaults: retired replicas are replaced (5 per minute); batching is what the pipeline declares
     assert (stage.restart.max_restarts, stage.restart.window_s) == (5, 60.0)
     assert stage.batching.model_dump() == dict.fromkeys(
-        ("max_batch_rows", "max_batch_tokens", "max_batch_markers", "max_batch_bytes", "batch_wait_us"))
+        ("max_batch_rows", "max_batch_tokens", "max_batch_bytes", "batch_wait_us"))
 
 
 def test_restart_and_batching_keys(tmp_path, bundle_dir):
     text = PLAN.replace("        resource_budget:", "        restart: {max_restarts: 0, window_s: 30}\n"
-                        "        batching: {max_batch_rows: 16, max_batch_tokens: 4096, max_batch_markers: 512,"
+                        "        batching: {max_batch_rows: 16, max_batch_tokens: 4096,"
                         " max_batch_bytes: 1048576, batch_wait_us: 200}\n        resource_budget:")
     stage = load_deploy_config(write(tmp_path, "plan.yaml", text)).stage(0)
     assert (stage.restart.max_restarts, stage.restart.window_s) == (0, 30.0)
-    assert stage.batching.model_dump() == {"max_batch_rows": 16, "max_batch_tokens": 4096, "max_batch_markers": 512,
+    assert stage.batching.model_dump() == {"max_batch_rows": 16, "max_batch_tokens": 4096,
                                            "max_batch_bytes": 1048576, "batch_wait_us": 200}
+
+
+@pytest.mark.parametrize("value", ["512", "-2", "null"])
+def test_max_batch_markers_is_refused_naming_its_replacement(tmp_path, bundle_dir, value):
+    # The engine's limits are rows, tokens and bytes; Laya's marker-slot cap is its adapter's own.
+    text = PLAN.replace("        resource_budget:", f"        batching: {{max_batch_markers: {value}}}\n        resource_budget:")
+    with pytest.raises(DeployConfigError) as error:
+        load_deploy_config(write(tmp_path, "plan.yaml", text))
+    message = str(error.value)
+    assert "stages[0].batching.max_batch_markers: is no longer a batching key" in message
+    assert "max_batch_tokens or max_batch_bytes instead" in message
 
 
 @pytest.mark.parametrize("old, new, path", [
@@ -77,8 +88,6 @@ def test_restart_and_batching_keys(tmp_path, bundle_dir):
     ("        resource_budget:", "        batching: {max_rows: 4}\n        resource_budget:", "stages[0].batching.max_rows: unknown key"),
     ("        resource_budget:", "        batching: {max_batch_tokens: 0}\n        resource_budget:",
      "stages[0].batching.max_batch_tokens:"),
-    ("        resource_budget:", "        batching: {max_batch_markers: -2}\n        resource_budget:",
-     "stages[0].batching.max_batch_markers:"),
     ("        resource_budget:", "        batching: {max_batch_bytes: 1MiB}\n        resource_budget:",
      "stages[0].batching.max_batch_bytes:"),
     ("        resource_budget:", "        batching: {batch_wait_us: -1}\n        resource_budget:",

@@ -100,12 +100,12 @@ def test_limits_take_the_deploy_keys_over_the_declaration():
     declared = StagePipelineConfig(stage_id=0, model_stage="x", max_batch_rows=32, max_batch_tokens=8192,
                                    batch_wait_us=250)
     limits = BatchLimits.for_stage(declared, BatchingConfig(max_batch_rows=1, max_batch_bytes=1024))
-    assert limits.to_dict() == {"max_batch_rows": 1, "max_batch_tokens": 8192, "max_batch_markers": None,
-                                "max_batch_bytes": 1024, "batch_wait_us": 250}
+    assert limits.to_dict() == {"max_batch_rows": 1, "max_batch_tokens": 8192, "max_batch_bytes": 1024,
+                                "batch_wait_us": 250}
     assert BatchLimits.for_stage(StagePipelineConfig(stage_id=0, model_stage="x"), BatchingConfig()).wait_us == DEFAULT_BATCH_WAIT_US
-    shape = BatchShape(rows=4, tokens=64, markers=8, bytes=100, real_rows=3, real_tokens=40)
-    assert BatchLimits(max_rows=4, max_tokens=64, max_markers=8, max_bytes=100).admits(shape)
-    for tight in ({"max_rows": 3}, {"max_tokens": 63}, {"max_markers": 7}, {"max_bytes": 99}):
+    shape = BatchShape(rows=4, tokens=64, bytes=100, real_rows=3, real_tokens=40)
+    assert BatchLimits(max_rows=4, max_tokens=64, max_bytes=100).admits(shape)
+    for tight in ({"max_rows": 3}, {"max_tokens": 63}, {"max_bytes": 99}):
         assert not BatchLimits(**{"max_rows": 4, **tight}).admits(shape)
 
 
@@ -127,7 +127,7 @@ def test_the_axis_zero_adapter_merges_and_splits_by_rows():
 def test_batch_stats_count_calls_rows_requests_waits_and_padding():
     stats = BatchStats()
     assert stats.snapshot()["padding_efficiency"] is None
-    stats.record_call(BatchShape(rows=4, tokens=64, markers=8, bytes=0, real_rows=3, real_tokens=48), requests=2)
+    stats.record_call(BatchShape(rows=4, tokens=64, bytes=0, real_rows=3, real_tokens=48), requests=2)
     stats.record_waits([0.0002, 0.003])
     snapshot = stats.snapshot()
     assert (snapshot["calls"], snapshot["rows"], snapshot["padded_rows"]) == (1, 3, 4)
@@ -287,7 +287,7 @@ def test_batching_is_refused_for_a_graph_whose_batch_dim_is_not_axis_zero_only(m
 
 def test_batching_statistics_are_exported_as_prometheus_histograms_and_gauges():
     stats = BatchStats()
-    stats.record_call(BatchShape(rows=4, tokens=64, markers=8, bytes=0, real_rows=3, real_tokens=48), requests=2)
+    stats.record_call(BatchShape(rows=4, tokens=64, bytes=0, real_rows=3, real_tokens=48), requests=2)
     stats.record_waits([0.0002])
     text = ServerMetrics(lambda: 0, lambda: None, batch_stats=lambda: {0: stats.snapshot()}).render().decode()
     for line in ('omnigraph_batch_rows_bucket{le="4.0",stage="0"} 1.0', 'omnigraph_batch_rows_sum{stage="0"} 3.0',

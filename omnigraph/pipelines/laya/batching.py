@@ -3,7 +3,11 @@
 The processor's work items hold real rows only, each item padded in length and marker slots to
 its own buckets (``sequence.BatchLayout``). Items share a call when their padded lengths fall in
 the same power-of-two class (17-32, 33-64, ..., 257-512 tokens), so a merged call pads no row to
-more than twice its own bucket; its length and marker slots are padded to the widest item's. Where
+more than twice its own bucket; its length and marker slots are padded to the widest item's. The
+stage's limits bound a call's rows, tokens and bytes; its marker slots (padded rows x padded slots)
+are Laya's own notion, so this adapter caps them itself (``fits``): at most
+``BatchLayout.max_marker_slots`` (2048), the most one request's own work item holds, so a merged
+call's scorer needs no more memory than the largest request makes alone. Where
 a call runs at a fixed shape (a captured CUDA graph, a TensorRT engine) its rows are padded to a
 power of two (the layout's ``rows`` bucket) by repeating its last real row; a CUDA-graph route
 captures only calls of up to ``cuda_graph_max_rows`` rows, so larger calls keep their exact rows,
@@ -50,7 +54,8 @@ _PACKED_INPUTS = {
 class LayaBatchAdapter:
     """Groups, packs and unpacks Laya decision work items (see the module docstring)."""
 
-    def __init__(self, bundle: VerifiedBundle, route: WorkerRoute) -> None:
+    def __init__(self, bundle: VerifiedBundle, route: WorkerRoute, *,
+                 max_marker_slots: int = BatchLayout.max_marker_slots) -> None:
         layout = bundle.manifest.metadata.layout or {}
         if "pad_id" not in layout:
             raise ValueError(f"{bundle.manifest_path}: metadata.layout has no pad_id")
@@ -62,6 +67,8 @@ class LayaBatchAdapter:
                              f"a TensorRT engine): build a bf16 or fp16 bundle for it")
         # rows up to this run at fixed shapes (None: any number of rows does)
         self._fixed_shape_rows = route.cuda_graph_max_rows if route.enable_cuda_graph else None
+        # padded rows x padded marker slots of one merged call
+        self._max_marker_slots = max_marker_slots
 
     def padded_rows(self, rows: int) -> int:
         """The rows of a call holding `rows` real rows: their bucket where the call's shape is fixed."""
@@ -78,13 +85,19 @@ class LayaBatchAdapter:
     def footprint(self, tensors: Mapping[str, np.ndarray]) -> Footprint:
         rows, length = tensors["input_ids"].shape
         return Footprint(rows=rows, tokens=int(np.count_nonzero(tensors["attention_mask"])), length=length,
-                         markers=tensors["marker_pos"].shape[1])
+                         widths=(tensors["marker_pos"].shape[1],))
 
     def padded(self, total: Footprint) -> BatchShape:
         rows = self.padded_rows(total.rows)
-        return BatchShape(rows=rows, tokens=rows * total.length, markers=rows * total.markers,
-                          bytes=rows * (total.length * _TOKEN_BYTES + total.markers * _MARKER_BYTES + _ROW_BYTES),
+        (markers,) = total.widths
+        return BatchShape(rows=rows, tokens=rows * total.length,
+                          bytes=rows * (total.length * _TOKEN_BYTES + markers * _MARKER_BYTES + _ROW_BYTES),
                           real_rows=total.rows, real_tokens=total.tokens)
+
+    def fits(self, total: Footprint) -> bool:
+        """Whether the call's padded rows x marker slots stay within the adapter's cap."""
+        (markers,) = total.widths
+        return self.padded_rows(total.rows) * markers <= self._max_marker_slots
 
     def pack(self, items: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """The items' rows in order, then any padding rows, repeating the last real row.

@@ -18,10 +18,10 @@ LAYA_PIPELINE = PipelineConfig(
             # The graph's B axis is dynamic and every output leads with it, so work of requests
             # arriving together shares one forward call (rows stay per request; batching.py).
             # A merged call is never larger than the largest one request makes on its own
-            # (processor: 16 rows of 512 tokens, 2048 marker slots), so it needs no more memory.
+            # (processor: 16 rows of 512 tokens, 2048 marker slots), so it needs no more memory;
+            # the marker-slot cap is the batch adapter's own (batching.py), not an engine limit.
             max_batch_rows=32,
             max_batch_tokens=8192,
-            max_batch_markers=2048,
             batch_adapter="omnigraph.pipelines.laya.batching:LayaBatchAdapter",
         ),
     ),
