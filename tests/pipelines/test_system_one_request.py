@@ -1,4 +1,5 @@
-"""Validation of Laya decision requests: what is refused, where, and that it mirrors the reference.
+"""Validation of System One decision requests (the shared parser every model uses): what is refused,
+where, and that it mirrors the reference.
 
 Every refusal names the dotted path of the offending field. The first table holds requests the
 reference (``laya`` 0.4.15: ``laya.serve``'s request checks and ``Agent._check_question``) also
