@@ -153,8 +153,13 @@ def test_cancelling_ten_generate_tasks_one_by_one_never_fails_the_pipeline():
             os.kill(replica["pid"], signal.SIGSTOP)
             try:
                 tasks = [asyncio.create_task(first(omni, f"cancelled-{i}")) for i in range(10)]
+                # a call is in flight on the stopped worker before any cancellation (not a 50 ms guess)
+                for _ in range(1500):
+                    if omni.execution_plan["stages"][0]["replicas"][0]["in_flight"]:
+                        break
+                    await asyncio.sleep(0.02)
                 for task in tasks:
-                    await asyncio.sleep(0.05)
+                    await asyncio.sleep(0.05)  # one by one, some while queued
                     task.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task

@@ -177,8 +177,14 @@ def test_a_deadline_inside_a_call_fails_the_request_and_keeps_the_worker(make_pl
     async def main():
         async with AsyncOmni(deploy_config=make_plan("slow", capacity=100, demand=10, restart=NO_RESTART)) as omni:
             (before,) = engine.replicas(omni)
-            with pytest.raises(DeadlineExceeded, match="deadline passed inside stage 0; its call was left to finish"):
-                await engine.first(omni, MEDIUM, "late", deadline_s=0.02)
+            # The worker is stopped, so the call cannot end before its deadline however fast the
+            # machine; 2 s leave the dispatch all the time a loaded one needs.
+            os.kill(before["pid"], signal.SIGSTOP)
+            try:
+                with pytest.raises(DeadlineExceeded, match="deadline passed inside stage 0; its call was left to finish"):
+                    await engine.first(omni, SMALL, "late", deadline_s=2.0)
+            finally:
+                os.kill(before["pid"], signal.SIGCONT)
             after = await engine.first(omni, SMALL, "after")
             return before, engine.replicas(omni)[0], after, omni.ledger_snapshot()
 
