@@ -136,16 +136,14 @@ def test_a_frame_written_before_its_post_is_not_taken_for_an_earlier_message(pai
 
 def test_a_wait_ends_at_its_deadline_or_when_the_peer_hangs_up(pair):
     controller, worker, ours, theirs = pair
-    started = time.monotonic()
-    assert worker.receive(200, time.monotonic() + 0.1, ours) is None
-    assert 0.1 <= time.monotonic() - started < 1.0
+    deadline = time.monotonic() + 0.1
+    assert worker.receive(200, deadline, ours) is None
+    assert time.monotonic() >= deadline  # not before it (how soon after is for benchmarks to say)
     controller.announce(0)
     theirs.close()  # the peer posted, then went: the post is still taken
     assert worker.receive(0, None, ours) == 0
-    started = time.monotonic()
-    with pytest.raises(wire.PeerClosed):
+    with pytest.raises(wire.PeerClosed):  # no deadline: only the hang-up ends this wait
         worker.receive(0, None, ours)
-    assert time.monotonic() - started < 1.0
 
 
 def test_a_file_that_is_not_a_mailbox_is_refused(tmp_path):
