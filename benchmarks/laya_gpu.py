@@ -416,7 +416,7 @@ def case_ort(run: Run, case: str, bundle: Path, lengths: list[LengthRequests]) -
 def _ort_engine(run: Run, name: str, plan: DeployConfig, lengths: list[LengthRequests]) -> None:
     from omnigraph.bundles import verify_bundle
     from omnigraph.pipelines.laya.processor import LayaProcessor
-    from omnigraph.stages.runtime import worker_route
+    from omnigraph.stages.graph_stage import worker_route
     from omnigraph.workers.client import WorkerClient
 
     (stage,) = plan.stages

@@ -40,13 +40,12 @@ from omnigraph.pipelines.deploy import (
 )
 from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 from omnigraph.stages.errors import ResourceUnavailable
-from omnigraph.stages.native_client import ServedEngine
+from omnigraph.stages.native_stage import ServedEngine
 from omnigraph.stages.orchestrator import AdmissionHold, Orchestrator, RequestState
 from omnigraph.stages.outputs import OmniRequestOutput
-from omnigraph.stages.runtime import DEFAULT_STARTUP_TIMEOUT_S, GraphStage, StageRuntime
+from omnigraph.stages.runtime import DEFAULT_STARTUP_TIMEOUT_S, StageRuntime
 from omnigraph.stages.startup import StartCancel
 from omnigraph.stages.tensor_processor import TensorProcessor
-from omnigraph.workers.route import DEFAULT_MAX_IO_BYTES
 
 __all__ = ["AsyncOmni", "Omni", "OmniRequestOutput", "build_plan"]
 
@@ -162,9 +161,7 @@ class OmniBase:
                 self.processor: Any = resolve_dotted(self.pipeline.processor)(self.runtime.bundles)
             else:
                 entry = self.runtime.ordered_stages[0]
-                # A native entry stage has no wire; the graph wire's default bound limits its tensors.
-                max_io_bytes = entry.route.max_io_bytes if isinstance(entry, GraphStage) else DEFAULT_MAX_IO_BYTES
-                self.processor = TensorProcessor(entry.input_specs, max_io_bytes=max_io_bytes)
+                self.processor = TensorProcessor(entry.input_specs, max_io_bytes=entry.max_io_bytes)
             self.orchestrator = Orchestrator(
                 self.runtime, self.processor,
                 max_queued_requests=max_queued_requests or self.deploy.max_queued_requests,

@@ -34,7 +34,7 @@ from omnigraph.plugin.api.service import DEFAULT_DEADLINE_S, DecisionService
 from omnigraph.stages.startup import StartCancel
 
 if TYPE_CHECKING:
-    from omnigraph.stages.native_client import ServedEngine
+    from omnigraph.stages.native_stage import ServedEngine
 
 DEADLINE_ENV = "OMNIGRAPH_REQUEST_DEADLINE_S"
 

@@ -83,7 +83,7 @@ class OmnigraphEndpointPlugin:
 
         from omnigraph.plugin.api.app import attach_service
         from omnigraph.plugin.server import build_service, request_deadline_from_env
-        from omnigraph.stages.native_client import ServedEngine
+        from omnigraph.stages.native_stage import ServedEngine
 
         served = None if engine_client is None else ServedEngine(engine_client, asyncio.get_running_loop())
         service = build_service(**_pipeline_source(args), deadline_s=request_deadline_from_env(), served_engine=served)

@@ -3,7 +3,7 @@
 - `ledger.py`: ResourceLedger (named capacities, atomic reservations, quarantine).
 - `runtime.py`: StageRuntime (verify, reserve the whole plan, start and warm up replicas, unwind,
   replace retired replicas in the background).
-- `graph_client.py`: GraphStageClient (one worker replica and the thread that feeds it).
+- `graph_stage.py`: GraphReplica (one worker replica and the thread that feeds it).
 - `batching.py`: StageQueue (compatible work items of several requests in one call), merge and split.
 - `restarts.py`: RestartBudget (how many replacements a stage may start within a window).
 - `orchestrator.py`: admission, stage-to-stage handoff, cancellation, deadlines.

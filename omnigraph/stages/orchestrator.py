@@ -22,7 +22,7 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -37,11 +37,9 @@ from omnigraph.stages.errors import (
     ResourceUnavailable,
     StageUnavailable,
 )
-from omnigraph.stages.native_client import NativeStage
-from omnigraph.stages.runtime import GraphStage, StageRuntime
+from omnigraph.stages.protocols import Stage
+from omnigraph.stages.runtime import StageRuntime
 from omnigraph.stages.tensors import check_tensors
-
-
 
 OnReady = Callable[["RequestState"], None]
 
@@ -143,7 +141,7 @@ class RequestState:
 
 
 class _WorkItem:
-    """One forward call of a request at one position of the chain (see graph_client.WorkItem)."""
+    """One forward call of a request at one position of the chain (see protocols.WorkItem)."""
 
     __slots__ = ("request", "index", "position", "tensors", "request_id", "_orchestrator")
 
@@ -209,12 +207,11 @@ class Orchestrator:
         self.runtime = runtime
         self.processor = processor
         self.max_queued_requests = max_queued_requests
-        self._chain: list[GraphStage | NativeStage] = runtime.ordered_stages
+        self._chain: Sequence[Stage] = runtime.ordered_stages
         self._active: dict[str, RequestState] = {}
         self._held = 0  # slots set aside by AdmissionHolds, not yet taken by their requests
-        for stage in self._chain:  # a free replica waits for batch-mates only while others are admitted
-            if isinstance(stage, GraphStage):
-                stage.queue.admitted_requests = self._active.__len__
+        for stage in self._chain:
+            stage.count_admissions(self._active.__len__)
         self._lock = threading.Lock()
         # ids of requests admitted without one: unique without a random draw (a system call) each
         self._id_prefix = uuid.uuid4().hex[:16]

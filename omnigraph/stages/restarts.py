@@ -4,7 +4,7 @@ A sliding window: at most `max_restarts` starts within any `window_s` seconds. A
 replicas keep dying (a bad bundle, a host out of memory) thus stops cycling workers: it backs off,
 each refusal in a row doubling the delay before it asks again (`backoff`), and recovers by itself
 once the window allows a start. Clients' cancellations and deadlines never spend it: they fence a
-call and leave the worker serving (graph_client.py).
+call and leave the worker serving (graph_stage.py).
 """
 
 from __future__ import annotations

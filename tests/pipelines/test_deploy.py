@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from omnigraph.pipelines.deploy import DEFAULT_MAX_QUEUED_REQUESTS, DeployConfigError, load_deploy_config, resolve_pipeline
-from omnigraph.stages.runtime import worker_route
+from omnigraph.stages.graph_stage import worker_route
 
 
 def write(folder: Path, name: str, text: str) -> Path:

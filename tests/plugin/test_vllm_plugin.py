@@ -88,7 +88,7 @@ def _model_config(**changes):
 ])
 def test_a_served_engine_that_does_not_fit_the_native_stage_is_refused(tmp_path, changes, message):
     from omnigraph.pipelines.deploy import NATIVE_BACKEND, NativeBackendConfig
-    from omnigraph.stages.native_client import NativeStageError, check_engine_fits
+    from omnigraph.stages.native_stage import NativeStageError, check_engine_fits
 
     (tmp_path / "config.json").write_text("{}")
     backend = NativeBackendConfig.model_construct(name=NATIVE_BACKEND, model=tmp_path, dtype="float32",

@@ -21,7 +21,7 @@ from omnigraph.stages.batching import (
     DEFAULT_BATCH_WAIT_US, STOP, AxisZeroAdapter, BatchLimits, BatchShape, BatchStats, Footprint, StageQueue, split_rows,
 )
 from omnigraph.stages.errors import RequestCancelled, StageStartupError, StageUnavailable
-from omnigraph.stages.runtime import GraphStage, worker_route
+from omnigraph.stages.graph_stage import GraphStage, worker_route
 
 BLOCKER = {"tensors": {"x": np.ones((32768, 32), np.float32)}}  # keeps the one replica busy meanwhile
 BATCHING = {"max_batch_rows": 8}

@@ -38,7 +38,7 @@ from omnigraph.pipelines.system_one.qwen3_synth import synthesize_qwen3_backbone
 from omnigraph.plugin.omni import DEFAULT_NATIVE_ENGINE_ARGS, AsyncOmni, build_plan
 from omnigraph.stages.errors import DeadlineExceeded, RequestCancelled, StageStartupError, StageUnavailable
 from omnigraph.stages.ledger import ResourceLedger
-from omnigraph.stages.native_client import NativeStageError, PoolingEngine
+from omnigraph.stages.native_stage import NativeStageError, PoolingEngine
 from omnigraph.stages.runtime import StageRuntime
 
 pytestmark = [

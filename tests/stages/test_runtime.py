@@ -8,8 +8,13 @@ import pytest
 from omnigraph import AsyncOmni, Omni
 from omnigraph.pipelines.deploy import resolve_pipeline
 from omnigraph.stages import runtime as runtime_module
-from omnigraph.stages.errors import CapacityConflict, ReservationRefused, StageStartupError
-from omnigraph.stages.runtime import StageRuntime, worker_route
+from omnigraph.stages.errors import (
+    CapacityConflict,
+    ReservationRefused,
+    StageStartupError,
+)
+from omnigraph.stages.graph_stage import worker_route
+from omnigraph.stages.runtime import StageRuntime
 
 
 def test_overcommit_is_refused_before_any_worker_starts(make_plan, os_processes, monkeypatch):

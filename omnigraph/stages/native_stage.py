@@ -31,20 +31,26 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
 from omnigraph.pipelines.config import StagePipelineConfig
 from omnigraph.pipelines.deploy import NativeBackendConfig, StageDeployConfig
-from omnigraph.stages.errors import DeadlineExceeded, HandoffInvalid, StageStartupError, StageUnavailable
+from omnigraph.stages.errors import (
+    DeadlineExceeded,
+    HandoffInvalid,
+    StageStartupError,
+    StageUnavailable,
+)
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
+from omnigraph.stages.protocols import HandoffFunc, WorkItem
 from omnigraph.stages.tensors import InputSpec
+from omnigraph.workers.route import DEFAULT_MAX_IO_BYTES
 
 if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle
-    from omnigraph.stages.graph_client import WorkItem
 
 logger = logging.getLogger("omnigraph.stages")
 
@@ -210,7 +216,7 @@ def split_prompts(tensors: Mapping[str, np.ndarray], max_model_len: int) -> list
     return [chunk.tolist() for chunk in np.split(ids, bounds[:-1])]
 
 
-class NativeStageClient:
+class NativeReplica:
     """The native stage's one replica: submits work items to the engine, tracks them for abort."""
 
     replica = 0
@@ -350,11 +356,19 @@ class NativeStage:
         self.backend: NativeBackendConfig = deploy.backend
         self.stage_id = config.stage_id
         self.input_specs: dict[str, InputSpec] = dict(NATIVE_INPUT_SPECS)
-        self.handoff = outputs_as_inputs
-        self.replicas: list[NativeStageClient] = []
+        self.handoff: HandoffFunc = outputs_as_inputs
+        self.replicas: list[NativeReplica] = []
         self.failure: str | None = None
         self.verified_by: VerifiedBundle | None = None
         self._served = served
+
+    @property
+    def max_io_bytes(self) -> int:
+        """An in-process engine has no wire; the graph wire's default bounds its tensors alike."""
+        return DEFAULT_MAX_IO_BYTES
+
+    def count_admissions(self, admitted: Callable[[], int]) -> None:
+        """vLLM batches by itself: the stage does not wait for batch-mates."""
 
     def bind_verified_bundle(self, bundles: list[VerifiedBundle]) -> None:
         """Note the verified bundle whose files hold the model folder (its every file is then hashed)."""
@@ -373,7 +387,7 @@ class NativeStage:
             engine = PoolingEngine.start(self.backend, stage_id=self.stage_id, timeout=timeout)
         try:
             check_engine_fits(engine.client, self.backend, stage_id=self.stage_id)
-            self.replicas.append(NativeStageClient(self, engine, reservation, ledger))
+            self.replicas.append(NativeReplica(self, engine, reservation, ledger))
         except BaseException:
             engine.close(timeout)
             raise

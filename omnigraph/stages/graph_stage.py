@@ -1,0 +1,663 @@
+"""A graph stage: its replicas (GraphReplica: a worker process and the thread that feeds it), the
+queue they share, and the replacement of retired ones (GraphStage).
+
+Each replica owns a dedicated thread taking work from its stage's shared queue, so a replica has
+exactly one call in flight (the worker's rule) and idle replicas pick up work as soon as it is
+queued. One call serves a batch of work items (see batching.py; one item unless the stage
+batches), packed and unpacked by the stage's batch adapter.
+
+The fault model (DESIGN.md "Wire"): a call cannot be pre-empted, so a request cancelled or past
+its deadline while its call runs does not kill the worker. The request fails at once (a deadline
+fails only the requests whose deadline passed; batch-mates complete); once no request of the call
+still waits, the call is *fenced*: the replica's epoch rises, the worker is told, and the late
+reply is discarded when it comes. The worker is retired only when it dies, breaks the wire, or
+does not answer within `hang_grace_s` of its call being fenced (truly hung): then its reservation
+stays quarantined until the OS confirms the process is gone, every request of the call fails with
+a retryable StageUnavailable, and the stage starts a replacement in the background (never on a
+request's path), backing off while its restart budget is spent and while its bundle on disk is
+not the verified one.
+
+Errors stay per request: a merged call refused for a request-level fault (bad input, an ORT
+error, tensors the wire cannot carry: more bytes than the route's max_io_bytes, in or out) is run
+again item by item, so only the faulty request fails and the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from omnigraph.bundles import VerifiedBundle
+from omnigraph.bundles.watch import BundleWatch
+from omnigraph.pipelines.config import StagePipelineConfig
+from omnigraph.pipelines.deploy import StageDeployConfig
+from omnigraph.pipelines.registry import resolve_dotted
+from omnigraph.stages.batching import (
+    STOP,
+    AxisZeroAdapter,
+    BatchAdapter,
+    BatchLimits,
+    BatchStats,
+    Queued,
+    StageQueue,
+    batch_axis_problem,
+    combined,
+)
+from omnigraph.stages.errors import DeadlineExceeded, StageStartupError, StageUnavailable
+from omnigraph.stages.handoff import outputs_as_inputs
+from omnigraph.stages.ledger import Reservation, ResourceLedger
+from omnigraph.stages.monitor import StageMonitor
+from omnigraph.stages.protocols import HandoffFunc, WorkItem
+from omnigraph.stages.restarts import RestartBudget
+from omnigraph.stages.tensors import InputSpec
+from omnigraph.workers.client import WorkerClient
+from omnigraph.workers.errors import CallRefused, RemoteError, WorkerTimeout
+from omnigraph.workers.reports import LoadReport
+from omnigraph.workers.route import WorkerRoute
+from omnigraph.workers.wire import StaleEpoch
+
+logger = logging.getLogger("omnigraph.stages")
+Launched = list[tuple[WorkerClient, Reservation]]
+# (stage, slot, restarts, launched) -> a started replica for the slot (StageRuntime._start_replacement)
+StartReplacement = Callable[["GraphStage", int, int, Launched], "GraphReplica"]
+
+EXIT_VERIFY_TIMEOUT_S = 10.0
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # a replica's worker gets this long to exit before it is killed
+# Why: a replacement worker starts and warms up within seconds; clients retry after about this long.
+REPLACEMENT_RETRY_AFTER_S = 1.0
+# Why: while a call runs, its replica looks this often for requests that were cancelled or whose
+# deadline passed (a cancellation is noticed within this, with no wake-up from the cancelling thread).
+CALL_POLL_S = 0.02
+# A worker refusing one request (bad input, an ORT error, outputs the wire cannot carry) stays
+# usable; these codes say so.
+_REQUEST_LEVEL_CODES = frozenset({
+    "input_name_mismatch", "input_dtype_mismatch", "input_rank_mismatch", "input_shape_mismatch", "run_failed",
+    "outputs_not_sent",
+})
+
+
+def _request_level(error: BaseException) -> bool:
+    """A fault of the request alone: the client refused the call before sending it, or the worker
+    refused it and stays in step, so it keeps serving. Anything else (wire faults included: the
+    stream may be out of step) retires the worker. A merged call refused so runs item by item."""
+    return isinstance(error, CallRefused) or (isinstance(error, RemoteError) and error.code in _REQUEST_LEVEL_CODES)
+
+
+class GraphReplica:
+    """One started, loaded and warmed-up worker serving a stage's queue."""
+
+    def __init__(self, stage: GraphStage, replica: int, client: WorkerClient, reservation: Reservation,
+                 ledger: ResourceLedger, load_report: LoadReport, *, restarts: int = 0,
+                 hang_grace_s: float) -> None:
+        self.stage = stage
+        self.replica = replica
+        self.client = client
+        self.reservation = reservation
+        self.load_report = load_report
+        self.restarts = restarts
+        self._ledger = ledger
+        self._lock = threading.Lock()
+        self._current: Sequence[WorkItem] = ()
+        self._epoch = 0  # the epoch of this replica's calls: raised by every fence
+        self.fenced_calls = 0
+        self.hang_grace_s = hang_grace_s
+        self.retired_reason: str | None = None
+        self.exit_verified: bool | None = None
+        self.calls = 0
+        self.items = 0
+        self._thread = threading.Thread(
+            target=self._serve, name=f"omnigraph-stage{stage.stage_id}-replica{replica}", daemon=True
+        )
+
+    @property
+    def serving(self) -> bool:
+        """False from the moment the replica is retired: it takes no more work."""
+        return self.retired_reason is None
+
+    @property
+    def state(self) -> str:
+        return "serving" if self.retired_reason is None else "retired"
+
+    def start_serving(self) -> None:
+        self._thread.start()
+
+    def join(self, timeout: float | None) -> bool:
+        """Wait for the serving thread to end; True when it has."""
+        if self._thread.ident is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def describe(self) -> dict[str, Any]:
+        """This replica's part of the execution plan."""
+        hello = self.client.hello
+        return {
+            "replica": self.replica,
+            "generation": self.client.generation,
+            "restarts": self.restarts,
+            "pid": self.client.pid,
+            "state": self.state,
+            "in_flight": [item.request_id for item in self._current],
+            "retired_reason": self.retired_reason,
+            "exit_verified": self.exit_verified,
+            "calls": self.calls,
+            "items": self.items,
+            "fenced_calls": self.fenced_calls,
+            "epoch": self._epoch,
+            "route": self.stage.route.to_dict(),
+            "reservation": dict(self.reservation.demands),
+            "placement": self.load_report.placement.to_dict(),
+            "session_providers": list(self.load_report.session_providers),
+            "onnxruntime_version": hello.onnxruntime_version,
+            "warmup_ms": self.load_report.warmup_ms,
+        }
+
+    def retire(self, reason: str, failed: Sequence[WorkItem] = (), error: BaseException | None = None) -> None:
+        """Take the replica out of service and kill its worker; the reservation stays quarantined
+        until the OS confirms the exit, then the stage hears that the replica is gone. The `failed`
+        work items get `error` once the stage already reports the retirement, so whoever sees the
+        error also sees the stage's state."""
+        with self._lock:
+            if self.retired_reason is not None:
+                return
+            self.retired_reason = reason
+        self._settle_retirement(failed, error)
+
+    def kill_if_busy(self) -> None:
+        """At shutdown: a call in flight is not waited for; its worker is killed (the replica
+        thread then retires it, and a closing stage replaces nothing)."""
+        with self._lock:
+            if self._current:
+                self.client.kill()
+
+    def retire_if_idle(self, reason: str) -> bool:
+        """Retire the replica unless a call is in flight (whose thread then sees the fault itself):
+        what the stage does when a worker dies between calls. True if it retired here."""
+        with self._lock:
+            if self.retired_reason is not None or self._current:
+                return False
+            self.retired_reason = reason
+        self._settle_retirement((), None)
+        return True
+
+    def _settle_retirement(self, failed: Sequence[WorkItem], error: BaseException | None) -> None:
+        if self.stage.replica_retired(self) and isinstance(error, StageUnavailable):
+            error.retry_after = REPLACEMENT_RETRY_AFTER_S  # another replica serves, or a replacement comes
+        for item in failed:
+            item.fail(error)  # type: ignore[arg-type]
+        self._ledger.quarantine(self.reservation)
+        self.client.kill()
+        verified = self.client.wait_exit(EXIT_VERIFY_TIMEOUT_S)
+        if verified:
+            self._ledger.release_quarantined(self.reservation)
+            self.client.close()
+        self.exit_verified = verified
+        self.stage.replica_exited(self)
+
+    def close(self, timeout: float) -> None:
+        """Stop the worker after shutdown; falls back to kill, releases the reservation once gone."""
+        with self._lock:
+            if self.retired_reason is not None:
+                return
+            self.retired_reason = "shut down"
+        try:
+            self.client.close(timeout=timeout)
+        except Exception:  # a worker that will not stop politely is killed below
+            self.client.kill()
+        self.exit_verified = self.client.wait_exit(timeout)
+        if not self.exit_verified:
+            self.client.kill()
+            self.exit_verified = self.client.wait_exit(EXIT_VERIFY_TIMEOUT_S)
+        if self.exit_verified:
+            self._ledger.release(self.reservation)
+        else:
+            self._ledger.quarantine(self.reservation)
+
+    def _serve(self) -> None:
+        while True:
+            batch = self.stage.queue.take()
+            if batch is STOP:
+                return
+            self.stage.batch_stats.record_waits([entry.waited_s for entry in batch])  # type: ignore[union-attr]
+            entries = self._admit(batch)  # type: ignore[arg-type]
+            if entries and not self._call(entries):
+                return
+
+    def _admit(self, batch: list[Queued]) -> list[Queued]:
+        """The batch's entries still worth a call: cancelled ones are dropped, late ones failed."""
+        admitted = []
+        for entry in batch:
+            item: WorkItem = entry.item
+            if not item.is_live():
+                continue
+            remaining = item.remaining()
+            if remaining is not None and remaining <= 0:
+                item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage {self.stage.stage_id}"))
+                continue
+            admitted.append(entry)
+        return admitted
+
+    def _call(self, entries: list[Queued]) -> bool:
+        """One worker call for `entries`; False once the replica retired. A merged call the worker
+        refuses for a request-level fault is run again item by item, so only the faulty request fails."""
+        items: list[WorkItem] = [entry.item for entry in entries]
+        adapter = self.stage.queue.adapter
+        tensors = [item.tensors for item in items]
+        first = items[0]
+        call_id = first.request_id if len(items) == 1 else f"{first.request_id}+{len(items) - 1}"
+        try:
+            inputs = adapter.pack(tensors)
+        except Exception as exc:  # the items do not fit their adapter: they fail, the worker never saw them
+            for item in items:
+                item.fail(exc)
+            return True
+        with self._lock:
+            if self.retired_reason is not None:  # the worker died while idle: the work goes back
+                self.stage.requeue(entries)
+                return False
+            self._current = items
+        self.stage.batch_stats.record_call(adapter.padded(combined(entries)), len({item.request_id for item in items}))
+        started = time.perf_counter()
+        try:
+            self.client.submit(inputs, request_id=call_id[:256], stage_id=self.stage.stage_id, epoch=self._epoch,
+                               timeout=self.hang_grace_s)
+            outputs = self._await_reply(items, call_id)
+        except BaseException as exc:  # every failure is routed: to the requests, and maybe retirement
+            self._end_call()
+            if _request_level(exc):
+                if len(entries) > 1:
+                    return self._call_each(entries)
+                first.fail(exc)
+                return True
+            error = StageUnavailable(f"stage {self.stage.stage_id} replica {self.replica} failed during request "
+                                     f"{call_id}: {type(exc).__name__}: {exc}")
+            error.__cause__ = exc
+            self.retire(f"{type(exc).__name__}: {exc}", failed=items, error=error)
+            return False
+        seconds = time.perf_counter() - started
+        self._end_call()
+        self.calls += 1
+        self.items += len(items)
+        if outputs is None:  # fenced: every request of the call was gone; the worker serves on
+            return True
+        try:
+            shares = adapter.unpack(outputs, tensors)
+        except Exception as exc:  # the graph's outputs do not fit its adapter: every item fails, the worker is fine
+            for item in items:
+                item.fail(exc)
+            return True
+        for item, share in zip(items, shares):
+            if item.is_live():
+                item.complete(share, seconds)
+        return True
+
+    def _await_reply(self, items: Sequence[WorkItem], call_id: str) -> dict[str, np.ndarray] | None:
+        """The call's outputs, or None once the call was fenced and its late reply discarded.
+
+        While waiting: a request whose deadline passes fails at once (DeadlineExceeded); once no
+        request of the call still waits, the call is fenced; a worker silent for `hang_grace_s`
+        after that raises WorkerTimeout (it is hung: the caller retires it)."""
+        client = self.client
+        now = time.monotonic()
+        due = [None if (left := item.remaining()) is None else now + left for item in items]
+        hang_at: float | None = None
+        while True:
+            try:
+                outputs = client.result(time.monotonic() + CALL_POLL_S)
+            except StaleEpoch:
+                return None
+            if outputs is not None:
+                return outputs if hang_at is None else None
+            now = time.monotonic()
+            for deadline, item in zip(due, items):
+                if deadline is not None and deadline <= now and item.is_live():
+                    item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage "
+                                               f"{self.stage.stage_id}; its call was left to finish"))
+            if hang_at is None and not any(item.is_live() for item in items):
+                self._epoch += 1
+                client.fence(self._epoch)
+                self.fenced_calls += 1
+                hang_at = now + self.hang_grace_s
+            elif hang_at is not None and now >= hang_at:
+                raise WorkerTimeout(f"worker {client.pid}: call {call_id} not answered within {self.hang_grace_s:g} s "
+                                    "after it was fenced; the worker is hung")
+
+    def _call_each(self, entries: list[Queued]) -> bool:
+        """One call per entry; if the replica retires meanwhile, the entries not yet run go back
+        to the stage's queue (their requests did nothing wrong) or, with no live replica, fail."""
+        for index, entry in enumerate(entries):
+            if entry.item.is_live() and not self._call([entry]):
+                for rest in entries[index + 1:]:
+                    try:
+                        self.stage.submit(rest.item)
+                    except StageUnavailable as exc:
+                        rest.item.fail(exc)
+                return False
+        return True
+
+    def _end_call(self) -> None:
+        """The call is over: nothing is in flight."""
+        with self._lock:
+            self._current = ()
+
+
+def worker_route(stage: StageDeployConfig) -> WorkerRoute:
+    """The route a graph stage's workers run on; on GPU routes the stage's VRAM demand on its
+    device (`machine:vram:<device_id>`) becomes ORT's arena limit (`gpu_mem_limit`)."""
+    backend = stage.backend
+    route = backend.route
+    vram = stage.resource_budget.demands.get(f"machine:vram:{route.device_id}") if route.ep != "cpu" else None
+    extra = {"max_io_bytes": backend.max_io_bytes} if backend.max_io_bytes is not None else {}
+    return WorkerRoute(
+        name=route.name,
+        interpreter=route.interpreter,
+        ep=route.ep,
+        device_id=route.device_id,
+        provider_options=route.provider_options,
+        allowed_providers=tuple(backend.allowed_providers or ()),
+        min_fraction_on_target=backend.min_fraction_on_target,
+        os_domain=route.os_domain,
+        enable_cuda_graph=route.enable_cuda_graph,
+        cuda_graph_max_rows=route.cuda_graph_max_rows,
+        max_cuda_graphs=route.max_cuda_graphs,
+        gpu_mem_limit=vram or None,
+        intra_op_num_threads=route.intra_op_num_threads,
+        spin_wait_us=route.spin_wait_us,
+        mailbox_bytes=route.mailbox_bytes,
+        env=stage.env,
+        **extra,
+    )
+
+
+def _batch_adapter(config: StagePipelineConfig, bundle: VerifiedBundle, route: WorkerRoute) -> BatchAdapter:
+    """The stage's declared batch adapter built for its bundle and route (AxisZeroAdapter when none is named)."""
+    if config.batch_adapter is None:
+        return AxisZeroAdapter()
+    try:
+        return resolve_dotted(config.batch_adapter)(bundle, route)
+    except Exception as exc:
+        raise StageStartupError(config.stage_id, 0, f"batch adapter {config.batch_adapter} refused "
+                                f"{bundle.manifest_path}: {exc}") from exc
+
+
+class GraphStage:
+    """A graph stage's serving state: its replica slots, the queue they share, its restarts."""
+
+    def __init__(self, config: StagePipelineConfig, deploy: StageDeployConfig, bundle: VerifiedBundle,
+                 route: WorkerRoute, start_replacement: StartReplacement) -> None:
+        self.config = config
+        self.deploy = deploy
+        self.bundle = bundle
+        self.route = route
+        self.stage_id = config.stage_id
+        self.queue = StageQueue(BatchLimits.for_stage(config, deploy.batching), _batch_adapter(config, bundle, route))
+        self.batch_stats = BatchStats()
+        self.replicas: list[GraphReplica] = []
+        self.input_specs: dict[str, InputSpec] = {}
+        self.handoff: HandoffFunc = (
+            resolve_dotted(config.custom_process_input_func) if config.custom_process_input_func else outputs_as_inputs
+        )
+        self.failure: str | None = None            # down for good: only with `max_restarts: 0`
+        self.bundle_problem: str | None = None     # the bundle on disk is no longer the verified one
+        self.backoff_until: float | None = None    # a replacement waits for the restart budget until then
+        self.last_retirement: str | None = None    # why the latest replica retired
+        self.restart_budget = RestartBudget(deploy.restart.max_restarts, deploy.restart.window_s)
+        self.watch = BundleWatch(bundle)
+        self._replacing: set[int] = set()         # slots whose replacement is due or starting
+        self._launches: list[Launched] = []        # workers being started by replacements
+        self._threads: list[threading.Thread] = []
+        self._start_replacement = start_replacement
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+        self.monitor: StageMonitor | None = None  # set by the runtime once the stage serves
+
+    @property
+    def max_io_bytes(self) -> int:
+        return self.route.max_io_bytes
+
+    def count_admissions(self, admitted: Callable[[], int]) -> None:
+        """A free replica waits for batch-mates only while other requests are admitted."""
+        self.queue.admitted_requests = admitted
+
+    def serve(self, replica: GraphReplica) -> None:
+        """Start a replica's thread, its worker's exit watched by the monitor."""
+        replica.start_serving()
+        if self.monitor is not None:
+            self.monitor.watch_exit(replica.client.pid, lambda: self.worker_exited(replica))
+
+    def check_batching(self) -> None:
+        """Refuse a declared `max_batch_rows` the loaded bundle's I/O cannot honour."""
+        max_rows = self.queue.limits.max_rows
+        if max_rows > 1 and (problem := batch_axis_problem(self.replicas[0].load_report)):
+            raise StageStartupError(self.stage_id, 0, f"max_batch_rows={max_rows} is declared but "
+                                    f"calls of {self.bundle.manifest.component} cannot be merged: {problem}")
+
+    def submit(self, item: Any) -> None:
+        """Queue a work item for the next free replica; fails fast while no replica is live."""
+        with self._lock:
+            self._check_live_locked()
+            self.queue.put(item)
+
+    def requeue(self, entries: Sequence[Queued]) -> None:
+        """Entries a retired replica took but never called: to the next live replica, or failed."""
+        with self._lock:
+            try:
+                self._check_live_locked()
+            except StageUnavailable as exc:
+                for entry in entries:
+                    entry.item.fail(exc)
+                return
+            self.queue.requeue(entries)
+
+    def check_available(self) -> None:
+        """Raise StageUnavailable unless a replica is live."""
+        with self._lock:
+            self._check_live_locked()
+
+    def interrupt(self, request_id: str, reason: str) -> None:
+        """Nothing to do: a replica notices within CALL_POLL_S that its call's requests are gone
+        and fences the call (graph_stage.py)."""
+
+    def _check_live_locked(self) -> None:
+        if self.failure is not None:
+            raise self._failed_error()
+        if self.bundle_problem is not None:
+            raise StageUnavailable(f"stage {self.stage_id} is unavailable: {self.bundle_problem}",
+                                   retry_after=REPLACEMENT_RETRY_AFTER_S)
+        if not any(r.serving for r in self.replicas):
+            raise StageUnavailable(f"stage {self.stage_id} has no live replica: {self._recovery_locked()}",
+                                   retry_after=self._retry_after_locked())
+
+    def _recovery_locked(self) -> str:
+        cause = f" ({self.last_retirement})" if self.last_retirement else ""
+        if self.backoff_until is not None:
+            return (f"backing off for {max(0.0, self.backoff_until - time.monotonic()):.1f} s "
+                    f"(restart budget of {self.restart_budget.describe()} spent){cause}")
+        return f"a replacement is starting{cause}"
+
+    def _retry_after_locked(self) -> float:
+        if self.backoff_until is not None:
+            return max(REPLACEMENT_RETRY_AFTER_S, self.backoff_until - time.monotonic())
+        return REPLACEMENT_RETRY_AFTER_S
+
+    def _failed_error(self) -> StageUnavailable:
+        """What every request to a stage down for good gets (no retry: recreate the pipeline)."""
+        return StageUnavailable(f"stage {self.stage_id} has no live replica ({self.failure}); recreate the pipeline")
+
+    def status(self) -> tuple[str, str | None]:
+        """("ok" | "degraded" | "recovering" | "unavailable" | "failed", why): degraded while some
+        replica slots are being replaced, recovering while none serves but one is on its way."""
+        with self._lock:
+            live = sum(r.serving for r in self.replicas)
+            if self.failure is not None:
+                return "failed", self.failure
+            if self.bundle_problem is not None:
+                return "unavailable", self.bundle_problem
+            if live == 0:
+                return "recovering", f"no live replica: {self._recovery_locked()}"
+            if live < len(self.replicas) or self._replacing:
+                return "degraded", f"{live} of {self.deploy.num_replicas} replicas serve; {self._recovery_locked()}"
+            return "ok", None
+
+    def replica_retired(self, replica: GraphReplica) -> bool:
+        """Called by a retiring replica: its slot is to be replaced (unless the stage closes or its
+        operator declared `max_restarts: 0`); while no replica is live, everything queued here
+        fails at once. True while the stage can still serve, so a retry is worth it."""
+        with self._lock:
+            self.last_retirement = f"replica {replica.replica} retired: {replica.retired_reason}"
+            if not self._closing.is_set() and self.failure is None:
+                if self.restart_budget.max_restarts > 0:
+                    self._replacing.add(replica.replica)
+                else:
+                    self._fail_if_dead_locked(f"replica {replica.replica} retired: {replica.retired_reason} "
+                                              "(max_restarts is 0: never replaced)")
+            self._drain_if_dead_locked()
+            return self.failure is None
+
+    def replica_exited(self, replica: GraphReplica) -> None:
+        """Called once the retired replica's worker is gone (or its exit could not be verified)."""
+        with self._lock:
+            if replica.replica not in self._replacing:
+                return
+            if self._closing.is_set() or not replica.exit_verified:
+                self._replacing.discard(replica.replica)
+                if not self._closing.is_set():
+                    self._fail_if_dead_locked(f"replica {replica.replica} retired: {replica.retired_reason}; its "
+                                              "worker's exit was not verified, so it is not replaced")
+                return
+            thread = threading.Thread(target=self._replace, args=(replica.replica, replica.restarts + 1),
+                                      name=f"omnigraph-stage{self.stage_id}-replace{replica.replica}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def worker_exited(self, replica: GraphReplica) -> None:
+        """From the monitor: the replica's worker process is gone. An idle replica is retired (and
+        replaced) now; a busy one finds out on its call."""
+        returncode = replica.client.returncode
+        replica.retire_if_idle(f"worker {replica.client.pid} exited while idle"
+                               + ("" if returncode is None else f" with status {returncode}"))
+
+    def check_bundle(self) -> None:
+        """From the monitor: re-verify the bundle; a change turns the stage unavailable (naming the
+        file) and the verified bytes coming back turn it available again."""
+        problem = self.watch.check()
+        with self._lock:
+            if problem != self.bundle_problem:
+                logger.warning("stage %d: %s", self.stage_id, problem or "the bundle verifies again")
+            self.bundle_problem = problem
+            if problem is not None:
+                for item in self.queue.drain():
+                    item.fail(StageUnavailable(f"stage {self.stage_id} is unavailable: {problem}",
+                                               retry_after=REPLACEMENT_RETRY_AFTER_S))
+
+    def _fail_if_dead_locked(self, reason: str) -> None:
+        if not any(r.serving for r in self.replicas) and not self._replacing and self.failure is None:
+            self.failure = reason
+
+    def _drain_if_dead_locked(self) -> None:
+        """With no live replica, queued work fails at once rather than wait for a replacement."""
+        if any(r.serving for r in self.replicas):
+            return
+        error = self._failed_error() if self.failure is not None else StageUnavailable(
+            f"stage {self.stage_id} has no live replica: {self._recovery_locked()}", retry_after=self._retry_after_locked())
+        for item in self.queue.drain():
+            item.fail(error)
+
+    def _replace(self, slot: int, restarts: int) -> None:
+        """In a background thread: start a new generation for `slot` once the restart budget and
+        the bundle allow, backing off with growing delays meanwhile; never gives up while open."""
+        while not self._closing.is_set():
+            problem = self.watch.check()  # outside the lock: a full check hashes the whole bundle
+            with self._lock:
+                self.bundle_problem = problem
+                if problem is not None or not self.restart_budget.spend():
+                    delay: float | None = self.restart_budget.backoff()
+                else:
+                    delay = None
+                self.backoff_until = None if delay is None else time.monotonic() + delay
+            if delay is not None:
+                logger.warning("stage %d: replica %d waits %.0f s before its replacement starts", self.stage_id, slot, delay)
+                self._closing.wait(delay)
+                continue
+            launched: Launched = []
+            with self._lock:
+                if self._closing.is_set():
+                    break
+                self._launches.append(launched)
+            try:
+                replica = self._start_replacement(self, slot, restarts, launched)
+            except Exception as exc:  # refused reservation, start, load or warmup: counts as a restart
+                logger.warning("stage %d: replacement of replica %d failed: %s", self.stage_id, slot, exc)
+                with self._lock:
+                    self._launches.remove(launched)
+                restarts += 1
+                continue
+            with self._lock:
+                self._launches.remove(launched)
+                self._replacing.discard(slot)
+                installed = not self._closing.is_set()
+                if installed:
+                    self.replicas[slot] = replica
+                    self.serve(replica)
+            if not installed:
+                replica.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
+            return
+        with self._lock:
+            self._replacing.discard(slot)
+
+    def register_launch(self, launched: Launched, client: WorkerClient, reservation: Reservation) -> None:
+        """Track a worker as soon as it exists, so a shutdown meanwhile can kill it."""
+        with self._lock:
+            launched.append((client, reservation))
+            if self._closing.is_set():
+                client.kill()
+
+    def stop_replacing(self) -> None:
+        """No replacement starts from now on; workers being started are killed (their starts unwind)."""
+        with self._lock:
+            self._closing.set()
+            for launched in self._launches:
+                for client, _ in launched:
+                    client.kill()
+
+    def stop(self, timeout: float) -> None:
+        """Stop replacements, then every replica thread (a retiring one first verifies its worker's
+        exit), then close the workers."""
+        self.stop_replacing()
+        for thread in list(self._threads):
+            thread.join()  # bounded: a start is killed above or ends within the startup timeout
+        for replica in self.replicas:
+            replica.kill_if_busy()
+            if replica.serving:
+                self.queue.stop_one()
+        for replica in self.replicas:
+            replica.join(timeout)
+        for replica in self.replicas:
+            replica.close(timeout)
+
+    def describe(self) -> dict[str, Any]:
+        with self._lock:
+            replicas, replacing = list(self.replicas), sorted(self._replacing)
+        state, reason = self.status()
+        return {
+            **self.config.describe(),
+            "manifest": {
+                "path": str(self.bundle.manifest_path),
+                "sha256": self.bundle.manifest_sha256,
+                "component": self.bundle.manifest.component,
+            },
+            "num_replicas": self.deploy.num_replicas,
+            "live_replicas": sum(r.serving for r in replicas),
+            "state": state,
+            "state_reason": reason,
+            "failure": self.failure,
+            "batching": {**self.queue.limits.to_dict(), "adapter": self.config.batch_adapter,
+                         "stats": self.batch_stats.snapshot()},
+            "restart": {"max_restarts": self.restart_budget.max_restarts, "window_s": self.restart_budget.window_s,
+                        "restarts": self.restart_budget.spent, "replacing": replacing},
+            "replicas": [r.describe() for r in replicas],
+        }
