@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from omnigraph.pipelines.laya.request import parse_request
+from omnigraph.pipelines.system_one.request import parse_request
 from omnigraph.pipelines.processor import RequestInvalid
 
 from ..serving import ServerProcess
