@@ -10,7 +10,7 @@ Calls: ``run`` sends a forward call and waits for its reply; a call that is not 
 cannot be pre-empted, so ``run`` then retires the worker (killed, WorkerTimeout). The stage
 runtime uses the two halves instead: ``submit`` sends the call, ``result(until)`` takes its reply
 or says that none came by ``until`` without consuming anything, so the caller decides how long a
-worker may take once its requests are gone (graph_client.py).
+worker may take once its requests are gone (graph_stage.py).
 
 Epochs: ``fence(epoch)`` raises the client's floor at once (a reply for an older epoch is then
 discarded with StaleEpoch) and tells the worker, which refuses later messages below it. A worker
@@ -149,11 +149,14 @@ class WorkerClient:
             listener.close()
             socket_path.unlink()
             hello = _read_hello(sock, process, generation, route, deadline, private_dir)
+            if mailbox is not None:
+                mailbox.unlink()  # the worker opened the doorbells before its hello, or never will
             return cls(route=route, generation=generation, process=process, sock=sock, private_dir=private_dir,
                        hello=hello, mailbox=mailbox)
         except BaseException:
             if mailbox is not None:
                 mailbox.close_fd()
+                mailbox.unlink()
             listener.close()
             if sock is not None:
                 sock.close()
@@ -345,8 +348,7 @@ class WorkerClient:
                 send_message(
                     self._sock, self._mailbox, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
                     generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
-                    max_payload_bytes=self.route.max_io_bytes, shm_threshold_bytes=self.route.shm_threshold_bytes,
-                    binary=binary,
+                    max_payload_bytes=self.route.max_io_bytes, binary=binary,
                 )
             except wire.WireError as exc:  # the encoder refuses before sending: the stream is untouched
                 raise CallRefused(exc.code, str(exc)) from None

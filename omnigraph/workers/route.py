@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from omnigraph.workers.mailbox import MAX_AREA_BYTES, MIN_AREA_BYTES
-from omnigraph.workers.wire import SHM_THRESHOLD_BYTES, SPIN_WAIT_US
+from omnigraph.workers.wire import SPIN_WAIT_US
 
 EP_PROVIDERS = {
     "cpu": "CPUExecutionProvider",
@@ -63,8 +63,6 @@ class WorkerRoute:
     ``allowed_providers`` defaults to the target provider alone; ``min_fraction_on_target`` is the
     least fraction of executed nodes the target provider must run (see placement.check_placement).
     ``gpu_mem_limit`` is the ORT arena limit in bytes (the ledger's VRAM demand).
-    ``shm_threshold_bytes``: tensors this large travel as shared memory both ways (see wire.py for
-    the measured trade-off; the best value depends on the machine).
     ``cuda_graph_max_rows``: with ``enable_cuda_graph``, only calls whose inputs all have at most
     this many rows (their leading dimension) run from a captured CUDA graph; larger calls, whose
     kernels outweigh their launches, run uncaptured at their exact shape (vLLM's
@@ -91,7 +89,6 @@ class WorkerRoute:
     gpu_mem_limit: int | None = None
     intra_op_num_threads: int | None = None
     env: Mapping[str, str] = field(default_factory=dict)
-    shm_threshold_bytes: int = SHM_THRESHOLD_BYTES
     spin_wait_us: int = SPIN_WAIT_US
     mailbox_bytes: int = DEFAULT_MAILBOX_BYTES
 
@@ -141,8 +138,6 @@ class WorkerRoute:
             isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
         ):
             raise RouteInvalid(f"route {self.name!r}: env must map strings to strings")
-        if type(self.shm_threshold_bytes) is not int or self.shm_threshold_bytes < 1:
-            raise RouteInvalid(f"route {self.name!r}: shm_threshold_bytes must be an integer >= 1")
         if type(self.spin_wait_us) is not int or not 0 <= self.spin_wait_us <= MAX_SPIN_WAIT_US:
             raise RouteInvalid(f"route {self.name!r}: spin_wait_us must be an integer in [0, {MAX_SPIN_WAIT_US}]")
         if problem := mailbox_bytes_problem(self.mailbox_bytes):

@@ -60,13 +60,13 @@ workers/mailbox.py): a binary-header ``run`` or ``result`` frame, byte for byte 
 written into a shared-memory area instead of the socket (write_binary_frame) and is read back with
 the same checks (read_binary_frame); a frame that does not fit goes through the socket.
 
-Shared memory: a tensor of at least the sender's threshold (SHM_THRESHOLD_BYTES, 128 MiB, unless
-the route's ``shm_threshold_bytes`` says otherwise) goes in an anonymous memory file
-(``memfd_create``) whose descriptor travels with the frame as SCM_RIGHTS ancillary data on the Unix
-socket (feature ``"shm_fd"``). Ownership: the sender creates the file, writes the tensor, sends the
-descriptor and closes its own copy right after ``sendmsg`` (also on error); the receiver maps it
-copy-on-write and closes the descriptor at once, so the memory lives exactly as long as the
-receiver's arrays. The file has no name, so nothing can leak into /dev/shm, even on a crash.
+Shared memory (feature ``"shm_fd"``, part of wire version 1, so a receiver accepts it): a tensor
+may travel in an anonymous memory file (``memfd_create``) whose descriptor comes with the frame as
+SCM_RIGHTS ancillary data on the Unix socket. The receiver maps it copy-on-write and closes the
+descriptor at once, so the memory lives exactly as long as the receiver's arrays; the sender
+closes its own copy once sent. omnigraph's own ends never send one: a memory file per tensor lost
+to the inline socket at every size measured, 4 KB to 64 MB, on both project machines
+(benchmarks/results/wire-*.md), so its sender was deleted.
 
 bfloat16: numpy has no bfloat16, so a bfloat16 tensor is decoded as a uint16 array holding the
 raw bits (``arr.view(ml_dtypes.bfloat16)`` where ml_dtypes is installed). The encoder sends an
@@ -108,7 +108,6 @@ import select
 import socket
 import struct
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple
@@ -138,12 +137,6 @@ MAX_NAME_CHARS = 256
 # Why: tensors start on cache lines within the payload; the receive buffer itself comes from
 # numpy's allocator (16-byte aligned), so every array view is aligned for its dtype.
 TENSOR_ALIGNMENT = 64
-# Why: on the project's machines (a Firecracker VM, a gVisor GPU host) mapping fresh memory-file
-# pages costs 2.5-5x the two socket copies of an inline tensor at every size measured, 4 KB to
-# 64 MB (benchmarks/results/wire-*.json), so inline is the default far beyond any stage's I/O;
-# memory files take over past 128 MiB, where an inline frame would hold that much again in the
-# kernel's socket buffers. A route can lower it (WorkerRoute.shm_threshold_bytes).
-SHM_THRESHOLD_BYTES = 128 * 1024 * 1024
 # Why: a reader that sleeps in the kernel pays the scheduler's wake-up on every message (50-100 us
 # on the 2-core development VMs: benchmarks/wire.py's echo floor, against 12-15 us when both ends
 # poll), so each end polls its socket for this long after its last message before sleeping, as
@@ -381,28 +374,9 @@ def _as_bytes(array: np.ndarray) -> np.ndarray:
     return array.reshape(-1).view(np.uint8)
 
 
-def _shared_memory_file(data: memoryview) -> int:
-    """An anonymous memory file holding ``data``; the caller owns (and must close) the fd."""
-    if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("omnigraph-tensor", os.MFD_CLOEXEC)
-    else:  # other POSIX systems: an unlinked temporary file in the same role
-        fd, path = tempfile.mkstemp(prefix="omnigraph-tensor-")
-        os.unlink(path)
-    try:
-        os.ftruncate(fd, len(data))
-        written = 0
-        while written < len(data):
-            written += os.pwrite(fd, data[written:], written)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 _PADDING = bytes(TENSOR_ALIGNMENT)
 # Each message type's header up to the request id's value (constant per type).
 _HEADER_OPENINGS = {t: f'{{"v":{WIRE_VERSION},"type":"{t}","request_id":' for t in MESSAGE_TYPES}
-_SHM_FEATURES = f'["{FEATURE_SHM_FD}"]'
 
 
 def _json_string(value: str) -> str:
@@ -414,32 +388,16 @@ def _json_string(value: str) -> str:
 
 class EncodedFrame:
     """A frame ready to go: its buffers (prefix and header, then the payload's pieces, the arrays'
-    own memory) and the shared-memory descriptors that travel with it, which it owns until sent or
-    closed (use it as a context manager where something may come between encoding and sending)."""
+    own memory), sent with one ``sendmsg`` (more only when the socket takes part)."""
 
-    __slots__ = ("buffers", "nbytes", "fds")
+    __slots__ = ("buffers", "nbytes")
 
-    def __init__(self, buffers: list[Any], nbytes: int, fds: list[int]) -> None:
+    def __init__(self, buffers: list[Any], nbytes: int) -> None:
         self.buffers = buffers
         self.nbytes = nbytes
-        self.fds = fds
 
     def send(self, sock: socket.socket) -> None:
-        """One ``sendmsg`` (more only when the socket takes part); the descriptors are closed after."""
-        try:
-            _sendmsg_all(sock, self.buffers, self.nbytes, self.fds)
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        _close_fds(self.fds)
-        self.fds = []
-
-    def __enter__(self) -> EncodedFrame:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        _sendmsg_all(sock, self.buffers, self.nbytes)
 
 
 def send_frame(sock: socket.socket, msg_type: str, **fields: Any) -> None:
@@ -458,16 +416,14 @@ def encode_frame(
     body: Mapping[str, Any] | None = None,
     tensors: Mapping[str, np.ndarray] | None = None,
     max_payload_bytes: int,
-    shm_threshold_bytes: int = SHM_THRESHOLD_BYTES,
     binary: bool = False,
 ) -> EncodedFrame:
-    """Encode one frame (no copy of inline tensors; a tensor for shared memory is written to its
-    memory file here).
+    """Encode one frame, its tensors inline (no copy: the payload's pieces are the arrays' memory).
 
     ``binary`` asks for the binary header (only where the peer announced ``binary_header``); a
-    message it cannot carry goes with the JSON header. Refuses (before anything is sent) what the
-    receiver would refuse: an unknown dtype, too many tensors, tensors whose bytes add up beyond
-    ``max_payload_bytes``.
+    message it cannot carry (a body, a type other than run / result) goes with the JSON header.
+    Refuses (before anything is sent) what the receiver would refuse: an unknown dtype, too many
+    tensors, tensors whose bytes add up beyond ``max_payload_bytes``.
     """
     opening = _HEADER_OPENINGS.get(msg_type)
     if opening is None:
@@ -476,61 +432,46 @@ def encode_frame(
     tensors = tensors or {}
     if binary and not body and msg_type in BINARY_MESSAGE_TYPES:
         tensors, layout = _arrays_and_layout(tensors)
-        if layout.largest < shm_threshold_bytes:
-            _check_payload_fits(layout, max_payload_bytes)
-            return _encode_binary(msg_type, request_id, stage_id, epoch, generation, instance, tensors, layout)
+        _check_payload_fits(layout, max_payload_bytes)
+        return _encode_binary(msg_type, request_id, stage_id, epoch, generation, instance, tensors, layout)
     if len(tensors) > MAX_TENSORS:
         raise TooManyTensors(f"{len(tensors)} tensors, at most {MAX_TENSORS}")
-    entries: list[tuple[str, str, tuple[int, ...], int, str]] = []  # name, dtype, shape, nbytes, location
+    entries: list[tuple[str, str, tuple[int, ...], int, int]] = []  # name, dtype, shape, nbytes, offset
     buffers: list[Any] = [b""]  # [0]: prefix + header, filled in below
-    fds: list[int] = []
-    total = 0
     offset = 0
-    try:
-        for name, array in tensors.items():
-            if type(array) is not np.ndarray:
-                array = np.asarray(array)
-            dtype = _NUMPY_TO_WIRE.get(array.dtype) or wire_dtype_of(array)
-            if array.ndim > MAX_RANK:
-                raise BadShape(f"tensor {name!r} has rank {array.ndim}, at most {MAX_RANK}")
-            nbytes = array.nbytes
-            total += nbytes
-            if total > max_payload_bytes:
-                raise PayloadTooLarge(f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})")
-            data = _as_bytes(array)
-            if nbytes >= shm_threshold_bytes and nbytes > 0:
-                where = f'"fd":{len(fds)}'
-                fds.append(_shared_memory_file(memoryview(data)))
-            else:
-                where = f'"offset":{offset}'
-                buffers.append(data)
-                extent = _align(nbytes)
-                if extent != nbytes:
-                    buffers.append(_PADDING[: extent - nbytes])
-                offset += extent
-            entries.append((name, dtype, array.shape, nbytes, where))
-        header_bytes = _json_header(opening, request_id, stage_id, epoch, generation, instance, body, entries, bool(fds))
-        if len(header_bytes) > MAX_HEADER_BYTES:
-            raise HeaderTooLarge(f"header of {len(header_bytes)} bytes, at most {MAX_HEADER_BYTES}")
-    except BaseException:
-        _close_fds(fds)
-        raise
+    for name, array in tensors.items():
+        if type(array) is not np.ndarray:
+            array = np.asarray(array)
+        dtype = _NUMPY_TO_WIRE.get(array.dtype) or wire_dtype_of(array)
+        if array.ndim > MAX_RANK:
+            raise BadShape(f"tensor {name!r} has rank {array.ndim}, at most {MAX_RANK}")
+        nbytes = array.nbytes
+        if offset + nbytes > max_payload_bytes:
+            raise PayloadTooLarge(f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})")
+        buffers.append(_as_bytes(array))
+        extent = _align(nbytes)
+        if extent != nbytes:
+            buffers.append(_PADDING[: extent - nbytes])
+        entries.append((name, dtype, array.shape, nbytes, offset))
+        offset += extent
+    header_bytes = _json_header(opening, request_id, stage_id, epoch, generation, instance, body, entries)
+    if len(header_bytes) > MAX_HEADER_BYTES:
+        raise HeaderTooLarge(f"header of {len(header_bytes)} bytes, at most {MAX_HEADER_BYTES}")
     buffers[0] = PREFIX.pack(MAGIC, WIRE_VERSION, 0, len(header_bytes), offset, 0) + header_bytes
-    return EncodedFrame(buffers, len(buffers[0]) + offset, fds)
+    return EncodedFrame(buffers, len(buffers[0]) + offset)
 
 
 def _json_header(opening: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
-                 body: Mapping[str, Any] | None, entries: list[tuple[str, str, tuple[int, ...], int, str]],
-                 shm: bool) -> bytes:
+                 body: Mapping[str, Any] | None, entries: list[tuple[str, str, tuple[int, ...], int, int]]) -> bytes:
     """The header's JSON, written field by field in the order and the compact form of
     json.dumps(header, separators=(",", ":")): no dict to build, no encoder to walk it."""
     descriptors = ",".join(
-        f'{{"name":{_json_string(name)},"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],"nbytes":{nbytes},{where}}}'
-        for name, dtype, shape, nbytes, where in entries
+        f'{{"name":{_json_string(name)},"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],"nbytes":{nbytes},"offset":{offset}}}'
+        for name, dtype, shape, nbytes, offset in entries
     )
     return (
         f'{opening}{_json_string(request_id)},"stage_id":{stage_id},"epoch":{epoch},"generation":{generation},'
-        f'"instance":{_json_string(instance)},"features_required":{_SHM_FEATURES if shm else "[]"},'
+        f'"instance":{_json_string(instance)},"features_required":[],'
         f'"tensors":[{descriptors}],"body":{_ENCODER.encode(body) if body else "{}"}}}'
     ).encode()
 
@@ -549,7 +490,6 @@ class _BinaryLayout(NamedTuple):
     paddings: tuple[bytes, ...]        # the zero bytes after each tensor (to the next 64)
     extents: tuple[int, ...]           # each tensor's bytes with its padding
     payload_nbytes: int                # the aligned sum
-    largest: int                       # the largest tensor's nbytes (shared memory decides by it)
 
 
 # Why: bounded, since the caller chooses the shapes (one layout per bucket shape in practice).
@@ -595,7 +535,7 @@ def _new_binary_layout(key: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -
         raise TooManyTensors(f"{len(key)} tensors, at most {MAX_TENSORS}")
     parts: list[bytes] = []
     paddings, extents = [], []
-    total = largest = 0
+    total = 0
     for name, dtype, shape in key:
         if len(shape) > MAX_RANK:
             raise BadShape(f"tensor {name!r} has rank {len(shape)}, at most {MAX_RANK}")
@@ -608,8 +548,7 @@ def _new_binary_layout(key: tuple[tuple[str, np.dtype, tuple[int, ...]], ...]) -
         paddings.append(_PADDING[: extent - nbytes])
         extents.append(extent)
         total += extent
-        largest = max(largest, nbytes)
-    return _BinaryLayout(b"".join(parts), tuple(paddings), tuple(extents), total, largest)
+    return _BinaryLayout(b"".join(parts), tuple(paddings), tuple(extents), total)
 
 
 def _binary_head(msg_type: str, request_id: str, stage_id: int, epoch: int, generation: int, instance: str,
@@ -633,16 +572,15 @@ def _encode_binary(msg_type: str, request_id: str, stage_id: int, epoch: int, ge
         buffers.append(array if array.flags.c_contiguous else np.ascontiguousarray(array))
         if padding:
             buffers.append(padding)
-    return EncodedFrame(buffers, len(buffers[0]) + layout.payload_nbytes, [])
+    return EncodedFrame(buffers, len(buffers[0]) + layout.payload_nbytes)
 
 
 def write_binary_frame(area: mmap.mmap, msg_type: str, *, request_id: str, stage_id: int, epoch: int,
-                       generation: int, instance: str, tensors: Mapping[str, Any], max_payload_bytes: int,
-                       shm_threshold_bytes: int = SHM_THRESHOLD_BYTES) -> int | None:
+                       generation: int, instance: str, tensors: Mapping[str, Any], max_payload_bytes: int) -> int | None:
     """Write a binary-header ``run`` / ``result`` frame into ``area`` (a shared mapping: its slice
     assignment takes an array's memory as it is), byte for byte as send_frame would send it; its
-    length, or None when it does not fit or a tensor is due for shared memory (send it through the
-    socket). Refuses what send_frame refuses, before writing anything."""
+    length, or None when it does not fit (send it through the socket). Refuses what send_frame
+    refuses, before writing anything."""
     if msg_type not in BINARY_MESSAGE_TYPES:
         raise MalformedHeader(f"the binary header carries run and result only, not {msg_type!r}")
     _check_ids(stage_id, epoch, generation)
@@ -651,7 +589,7 @@ def write_binary_frame(area: mmap.mmap, msg_type: str, *, request_id: str, stage
     head = _binary_head(msg_type, request_id, stage_id, epoch, generation, instance, layout)
     offset = len(head)
     end = offset + layout.payload_nbytes
-    if end > len(area) or layout.largest >= shm_threshold_bytes:
+    if end > len(area):
         return None
     area[:offset] = head
     for array, extent in zip(tensors.values(), layout.extents):
@@ -687,13 +625,11 @@ def read_binary_frame(area: mmap.mmap, length: int, *, max_payload_bytes: int,
     return frame, arrays
 
 
-def _sendmsg_all(sock: socket.socket, buffers: list[Any], total: int, fds: list[int]) -> None:
-    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, np.array(fds, np.int32).tobytes())] if fds else []
-    sent = sock.sendmsg(buffers, ancillary)
+def _sendmsg_all(sock: socket.socket, buffers: list[Any], total: int) -> None:
+    sent = sock.sendmsg(buffers)
     if sent == total:
         return
     pending = [memoryview(b).cast("B") for b in buffers]
-    ancillary = []  # the descriptors travel once, with the first bytes
     while True:
         while sent and pending:
             if sent >= len(pending[0]):

@@ -4,9 +4,10 @@
 It connects to its controller's Unix socket, announces itself (hello: interpreter, versions,
 providers, pid, process start time, a random instance id, wire version and features), then serves
 one message at a time: load, run, stats, fence, close. Imports stdlib, numpy, onnxruntime, onnx
-and omnigraph.bundles only. Given ``--mailbox-fd`` (an inherited descriptor, mailbox.py), it maps the
-controller's mailbox and says so in its hello (feature ``mailbox``): from then on run and result
-frames that fit travel through shared memory, and every message is announced on a doorbell.
+and omnigraph.bundles only, plus posix_ipc for the mailbox where the interpreter has it. Given
+``--mailbox-fd`` (an inherited descriptor, mailbox.py), it maps the controller's mailbox and says
+so in its hello (feature ``mailbox``): from then on run and result frames that fit travel through
+shared memory, and every message is announced on a doorbell.
 
 Refusals: a message for another generation or instance, or with an epoch below the highest seen,
 gets an error frame (stale_generation / stale_instance / stale_epoch) and changes nothing (a fence
@@ -232,8 +233,7 @@ class GraphWorker:
         send_message(
             self._sock, self._mailbox if self._announcing else None, msg_type, request_id=request_id,
             stage_id=stage_id, epoch=epoch, generation=self._generation, instance=self._instance, body=body,
-            tensors=tensors, max_payload_bytes=self._route.max_io_bytes,
-            shm_threshold_bytes=self._route.shm_threshold_bytes, binary=binary,
+            tensors=tensors, max_payload_bytes=self._route.max_io_bytes, binary=binary,
         )
 
 

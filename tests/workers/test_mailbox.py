@@ -76,9 +76,6 @@ def test_the_mailbox_frame_is_the_socket_frame_byte_for_byte():
 def test_what_the_mailbox_cannot_hold_goes_through_the_socket():
     mailbox = Mailbox.create(4096)
     assert write(mailbox.outbox, {"x": np.zeros(2048, np.float32)}) is None  # 8 KB: more than the area
-    assert wire.write_binary_frame(mailbox.outbox, "run", request_id="", stage_id=0, epoch=0, generation=0,
-                                   instance="", tensors={"x": np.zeros(16, np.float32)}, max_payload_bytes=CAP,
-                                   shm_threshold_bytes=64) is None  # a tensor due for shared memory
 
 
 def test_a_frame_the_receiver_would_refuse_is_refused_before_anything_is_written():

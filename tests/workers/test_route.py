@@ -59,7 +59,6 @@ def test_json_round_trip():
     ({"intra_op_num_threads": 0}, "intra_op_num_threads"),
     ({"env": {"A": 1}}, "env"),
     ({"provider_options": {"a": [1]}}, "provider_options"),
-    ({"shm_threshold_bytes": 0}, "shm_threshold_bytes"),
     ({"spin_wait_us": -1}, "spin_wait_us"),
     ({"cuda_graph_max_rows": 0}, "cuda_graph_max_rows"),
     ({"max_cuda_graphs": 0}, "max_cuda_graphs"),
@@ -78,5 +77,7 @@ def test_invalid_fields_are_refused(fields, message):
 def test_unknown_json_fields_are_refused():
     with pytest.raises(RouteInvalid, match="unknown fields"):
         WorkerRoute.from_dict({"name": "r", "interpreter": PY, "providers": []})
+    with pytest.raises(RouteInvalid, match="shm_threshold_bytes"):  # memory files per tensor left the senders
+        WorkerRoute.from_dict({"name": "r", "interpreter": PY, "shm_threshold_bytes": 1 << 27})
     with pytest.raises(RouteInvalid, match="interpreter"):
         WorkerRoute.from_dict({"name": "r"})

@@ -53,7 +53,7 @@ def test_hello_names_the_process_and_its_software(start_worker, cpu_route):
 
 
 def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle, cpu_route):
-    client = start_worker(dataclasses.replace(cpu_route, shm_threshold_bytes=256 * 1024))
+    client = start_worker(dataclasses.replace(cpu_route, mailbox_bytes=256 * 1024))
     report = client.load(affine_bundle.manifest_path)
     assert report.manifest_sha256 == affine_bundle.manifest_sha256 and report.component == "test.graph"
     assert report.session_providers == ("CPUExecutionProvider",)
@@ -67,7 +67,7 @@ def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle,
     for call in range(1000):
         n = int(rng.integers(1, 9))
         inputs = affine_inputs(n, 16, seed=call)
-        if call % 100 == 0:  # 512 x 256 float32 = 512 KiB: the shared-memory path, both ways
+        if call % 100 == 0:  # 512 x 256 float32 = 512 KiB: more than the mailbox holds, through the socket
             inputs = affine_inputs(512, 256, seed=call)
         got = client.run(inputs, request_id=f"r{call}", stage_id=0, epoch=0)
         expected = dict(zip(["y", "z"], reference.run(None, inputs)))
@@ -75,7 +75,7 @@ def test_thousand_calls_match_an_in_process_session(start_worker, affine_bundle,
         for name in expected:
             np.testing.assert_array_equal(got[name], expected[name])
     del got
-    assert len(os.listdir("/proc/self/fd")) == descriptors_before  # no shared-memory descriptor leaked
+    assert len(os.listdir("/proc/self/fd")) == descriptors_before  # no descriptor leaked
     stats = client.stats()
     assert stats["runs"] == 1000 and stats["failed_runs"] == 0 and stats["rss_bytes"] > 0
     assert stats["manifest_sha256"] == affine_bundle.manifest_sha256
