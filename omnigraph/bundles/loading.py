@@ -49,7 +49,8 @@ def load_bundle(path: str | os.PathLike[str]) -> LoadedBundle:
     for member in references:
         if member in layout.manifest.files:  # an unlisted one is refused by the verification below
             contents[member] = read_file(root / member)
-    kept = (metadata.example_inputs_file, None if layout.manifest.custom_ops is None else layout.manifest.custom_ops.library_file)
+    custom_ops = layout.manifest.custom_ops
+    kept = (metadata.example_inputs_file, None if custom_ops is None else custom_ops.library_file)
     for name in kept:
         if name is not None:
             contents[name] = read_file(root / name)

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -51,7 +52,8 @@ def build_case_bundle(send: Mapping[str, Any], graphs: Mapping[str, Any], workdi
     write_model(graphs[spec["graph"]], (root / graph_file).parent, Path(graph_file).name, where=where)
     example = spec.get("example_inputs")
     if example is not None:
-        arrays = {name: tensor_from_spec(t, where=f"{where} example input {name}") for name, t in example["tensors"].items()}
+        arrays = {name: tensor_from_spec(t, where=f"{where} example input {name}")
+                  for name, t in example["tensors"].items()}
         with open(root / example["file"], "wb") as handle:
             np.savez(handle, **arrays)
     for name, text in spec.get("files", {}).items():

@@ -22,7 +22,8 @@ import http.client
 import json
 import math
 import time
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 from urllib.parse import urlsplit
 
 from omnigraph.conformance.report import CaseFailed, CaseRunner
@@ -127,10 +128,12 @@ def _check_response(case: Case, status: int, raw: bytes) -> None:
         problems = _compare(expect["answers"], body.get("answers"), "answers", tolerance)
         usage = body.get("usage") or {}
         problems += [
-            f"usage.{key}: {usage.get(key)!r} != expected {value!r}" for key, value in expect["usage"].items() if usage.get(key) != value
+            f"usage.{key}: {usage.get(key)!r} != expected {value!r}"
+            for key, value in expect["usage"].items() if usage.get(key) != value
         ]
         if problems:
-            raise CaseFailed("; ".join(problems[:6]) + (f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""))
+            more = f" (and {len(problems) - 6} more)" if len(problems) > 6 else ""
+            raise CaseFailed("; ".join(problems[:6]) + more)
 
 
 def _compare(expected: Any, actual: Any, path: str, tolerance: float) -> list[str]:
@@ -138,16 +141,21 @@ def _compare(expected: Any, actual: Any, path: str, tolerance: float) -> list[st
     if isinstance(expected, dict):
         if not isinstance(actual, dict):
             return [f"{path}: {actual!r} is not an object"]
-        problems = [f"{path}: keys {sorted(actual)} != expected {sorted(expected)}"] if set(actual) != set(expected) else []
+        problems = ([f"{path}: keys {sorted(actual)} != expected {sorted(expected)}"]
+                    if set(actual) != set(expected) else [])
         for key in expected.keys() & actual.keys():
             problems += _compare(expected[key], actual[key], f"{path}.{key}", tolerance)
         return problems
-    if isinstance(expected, bool) or isinstance(expected, str) or expected is None:
-        return [] if actual == expected and type(actual) is type(expected) else [f"{path}: {actual!r} != expected {expected!r}"]
+    if isinstance(expected, (bool, str)) or expected is None:
+        if actual == expected and type(actual) is type(expected):
+            return []
+        return [f"{path}: {actual!r} != expected {expected!r}"]
     if isinstance(expected, (int, float)):
         if isinstance(actual, bool) or not isinstance(actual, (int, float)) or not math.isfinite(actual):
             return [f"{path}: {actual!r} is not a number"]
-        return [] if abs(actual - expected) <= tolerance else [f"{path}: {actual} != expected {expected} (tolerance {tolerance})"]
+        if abs(actual - expected) <= tolerance:
+            return []
+        return [f"{path}: {actual} != expected {expected} (tolerance {tolerance})"]
     if isinstance(expected, list):
         if not isinstance(actual, list) or len(actual) != len(expected):
             return [f"{path}: {actual!r} != expected {expected!r}"]

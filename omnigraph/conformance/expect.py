@@ -7,7 +7,8 @@ refused, e.g. the file or the tensor).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from omnigraph.conformance.report import CaseFailed
 from omnigraph.conformance.suite import FixtureInvalid

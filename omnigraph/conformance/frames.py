@@ -38,8 +38,9 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,8 @@ def build_frame(send: Mapping[str, Any], *, session: Mapping[str, Any], where: s
         array = tensor_from_spec(spec, where=f"{where} tensor #{index}")
         arrays[name] = array
         raw = np.ascontiguousarray(array).tobytes()
-        descriptor: dict[str, Any] = {"name": name, "dtype": spec["dtype"], "shape": list(array.shape), "nbytes": len(raw)}
+        descriptor: dict[str, Any] = {"name": name, "dtype": spec["dtype"], "shape": list(array.shape),
+                                      "nbytes": len(raw)}
         transport = spec.get("transport", "inline")
         if transport == "shm":
             descriptor["fd"] = len(shm)
@@ -114,13 +116,15 @@ def build_frame(send: Mapping[str, Any], *, session: Mapping[str, Any], where: s
     if unknown:
         raise FixtureInvalid(f"{where}: unknown prefix fields {sorted(unknown)}")
     fields.update(overrides)
-    prefix = PREFIX.pack(*(fields[key] for key in ("magic", "version", "flags", "header_length", "payload_length", "reserved")))
+    prefix = PREFIX.pack(*(fields[key] for key in
+                           ("magic", "version", "flags", "header_length", "payload_length", "reserved")))
     data = prefix + header_bytes + bytes(payload)
     truncate = send.get("truncate")
     if truncate is not None:
         keep = truncate.get("keep", len(data) - truncate.get("drop", 0))
         if not 0 <= keep < len(data):
-            raise FixtureInvalid(f"{where}: truncate must keep fewer than the frame's {len(data)} bytes, got {truncate}")
+            raise FixtureInvalid(f"{where}: truncate must keep fewer than the frame's {len(data)} bytes, "
+                                 f"got {truncate}")
         data = data[:keep]
     return BuiltFrame(data=data, shm_payloads=tuple(shm), ends_stream=truncate is not None, tensors=arrays)
 

@@ -9,8 +9,9 @@ file (relative to the graph), the way real bundles keep their weights.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import onnx
@@ -41,7 +42,8 @@ def build_model(spec: Mapping[str, Any], *, where: str) -> tuple[onnx.ModelProto
         for item in items
     ]
     graph = helper.make_graph(nodes, spec.get("name", "conformance"), inputs, outputs, initializers)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="omnigraph.conformance")
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                              producer_name="omnigraph.conformance")
     model.ir_version = IR_VERSION
     try:
         onnx.checker.check_model(model)

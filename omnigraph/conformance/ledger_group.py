@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from omnigraph.conformance.expect import check_accepted, check_refused
 from omnigraph.conformance.report import CaseFailed, CaseRunner

@@ -10,7 +10,7 @@ in-process against `omnigraph.workers.placement`.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 from omnigraph.conformance.expect import check_accepted, check_refused
 from omnigraph.conformance.report import CaseFailed, CaseRunner
@@ -37,7 +37,8 @@ def open_runner(group: Group, target: Target) -> Iterator[CaseRunner]:
             ) from None
         fraction = expect.get("fraction_on_target")
         if fraction is not None and abs(report.fraction_on_target - fraction) > FRACTION_TOLERANCE:
-            raise CaseFailed(f"fraction_on_target {report.fraction_on_target} != expected {expect['fraction_on_target']}")
+            raise CaseFailed(f"fraction_on_target {report.fraction_on_target} "
+                             f"!= expected {expect['fraction_on_target']}")
         try:
             check_placement(report, allowed, minimum)
         except PlacementRefused as refusal:

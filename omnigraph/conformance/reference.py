@@ -16,7 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from omnigraph.conformance.suite import SUITES_ROOT, load_group
 
@@ -69,7 +70,8 @@ def _refuse_near_ties(case_id: str, answers: Mapping[str, Any], tolerance: float
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m omnigraph.conformance.reference", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m omnigraph.conformance.reference",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--suite", default="v1")
     args = parser.parse_args(argv)
     filled = fill_reference_answers(args.suite)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import enum
 import json
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from omnigraph.conformance.suite import Case
 
@@ -89,7 +90,8 @@ class SuiteReport:
         for group, row in self.counts().items():
             lines.append(f"{group:<12} {row['passed']:>7} {row['failed']:>7} {row['skipped']:>8}")
         totals = self.totals()
-        lines += ["-" * len(header), f"{'total':<12} {totals['passed']:>7} {totals['failed']:>7} {totals['skipped']:>8}"]
+        lines += ["-" * len(header),
+                  f"{'total':<12} {totals['passed']:>7} {totals['failed']:>7} {totals['skipped']:>8}"]
         failures = self.failures
         if failures:
             lines += ["", f"first {min(len(failures), FAILURES_SHOWN)} of {len(failures)} failures:"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import sys
 import traceback
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import ContextManager
 
 from omnigraph.conformance.report import CaseFailed, CaseResult, CaseRunner, CaseSkipped, Status, SuiteReport
 from omnigraph.conformance.suite import Case, FixtureInvalid, Group, load_suite
@@ -92,7 +92,7 @@ def _result(group: Group, case: Case, status: Status, detail: str = "") -> CaseR
     return CaseResult(case_id=case.id, group=group.name, description=case.description, status=status, detail=detail)
 
 
-def _open_runner(group: Group, target: Target) -> ContextManager[CaseRunner]:
+def _open_runner(group: Group, target: Target) -> AbstractContextManager[CaseRunner]:
     if group.name == "wire":
         from omnigraph.conformance.wire_group import open_runner
     elif group.name == "manifest":

@@ -8,7 +8,8 @@ Comparison of outputs is exact for integers and booleans and within `atol` for f
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import numpy as np
 
@@ -61,5 +62,6 @@ def compare_tensors(
                 worst = float(np.max(np.abs(got.astype(np.float64) - want.astype(np.float64))))
                 problems.append(f"{name}: max |difference| {worst:.3g} > atol {atol}")
         elif not np.array_equal(got, want):
-            problems.append(f"{name}: values {got.reshape(-1)[:8].tolist()} != expected {want.reshape(-1)[:8].tolist()}")
+            problems.append(f"{name}: values {got.reshape(-1)[:8].tolist()} "
+                            f"!= expected {want.reshape(-1)[:8].tolist()}")
     return problems

@@ -21,8 +21,9 @@ import contextlib
 import socket
 import tempfile
 import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from omnigraph.conformance.bundle_cases import build_case_bundle
 from omnigraph.conformance.expect import check_accepted, check_refused, expected_outcome
@@ -80,7 +81,7 @@ def _check_inproc(case: Case, max_payload: int) -> None:
         except wire.WireError as error:
             check_refused(case.expect, error.code, str(error), case_id=case.id)
             return
-        except socket.timeout:
+        except TimeoutError:
             raise CaseFailed(f"the codec waited {INPROC_TIMEOUT_S} s for bytes that were never sent") from None
     finally:
         receiver.close()
@@ -156,7 +157,8 @@ def _check_worker(case: Case, session: Any, bundles: _GraphBundles, setup: Mappi
     check_accepted(case.expect, case_id=case.id)
     if reply.type != "result" or reply.request_id != case.id:
         raise CaseFailed(f"answered {reply.type!r} for request {reply.request_id!r}, expected a result for {case.id!r}")
-    expected = {name: tensor_from_spec(spec, where=f"{case.id} output {name}") for name, spec in case.expect["outputs"].items()}
+    expected = {name: tensor_from_spec(spec, where=f"{case.id} output {name}")
+                for name, spec in case.expect["outputs"].items()}
     problems = compare_tensors(expected, reply.tensors, atol=case.expect.get("atol", DEFAULT_ATOL))
     if problems:
         raise CaseFailed("wrong outputs: " + "; ".join(problems))
@@ -183,5 +185,6 @@ def _stale_fields(stale: str | None, session: Any, *, case_id: str) -> dict[str,
         return {"instance": "f" * 32 if session.instance != "f" * 32 else "e" * 32}
     if stale == "instance_empty":
         return {"instance": ""}
-    raise FixtureInvalid(f"{case_id}: send.stale must be generation_newer, generation_older, instance or instance_empty")
+    raise FixtureInvalid(f"{case_id}: send.stale must be generation_newer, generation_older, instance or "
+                         "instance_empty")
 

@@ -18,9 +18,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -113,7 +114,8 @@ class WorkerTargetSession:
         self.features = tuple(hello.body.get("features", ()))
         if hello.body.get("instance") != self.instance or not self.instance:
             raise WorkerStartError(
-                f"hello body instance {hello.body.get('instance')!r} disagrees with its header instance {self.instance!r}"
+                f"hello body instance {hello.body.get('instance')!r} disagrees with its header instance "
+                f"{self.instance!r}"
             )
 
     def restart(self) -> None:
@@ -196,20 +198,21 @@ class WorkerTargetSession:
             try:
                 sock, _ = listener.accept()
                 return sock
-            except socket.timeout:
+            except TimeoutError:
                 if self._process.poll() is not None:
                     raise WorkerStartError(
                         f"the worker exited with status {self._process.returncode} before connecting{self._log_tail()}"
                     ) from None
                 if time.monotonic() > deadline:
-                    raise WorkerStartError(f"the worker did not connect within {START_TIMEOUT_S} s{self._log_tail()}") from None
+                    raise WorkerStartError(
+                        f"the worker did not connect within {START_TIMEOUT_S} s{self._log_tail()}") from None
 
     def _receive(self, timeout: float) -> Reply:
         assert self._sock is not None
         self._sock.settimeout(timeout)
         try:
             frame, arrays = wire.recv_message(self._sock, max_payload_bytes=self.max_payload_bytes)
-        except socket.timeout:
+        except TimeoutError:
             raise CaseFailed(f"no reply within {timeout} s{self._log_tail()}") from None
         except (wire.PeerClosed, wire.TruncatedFrame, ConnectionResetError, BrokenPipeError):
             return Reply(closed=True)

@@ -100,7 +100,8 @@ class StagePipelineConfig:
                 raise PipelineConfigError(f"{where}: {name} must be an int >= {minimum}"
                                           f"{' or None' if optional else ''}, got {value!r}")
         if self.batch_wait_us is not None and self.batch_wait_us > MAX_BATCH_WAIT_US:
-            raise PipelineConfigError(f"{where}: batch_wait_us must be <= {MAX_BATCH_WAIT_US}, got {self.batch_wait_us}")
+            raise PipelineConfigError(f"{where}: batch_wait_us must be <= {MAX_BATCH_WAIT_US}, "
+                                      f"got {self.batch_wait_us}")
 
     def describe(self) -> dict[str, Any]:
         """The declaration's place in the pipeline, as an execution plan reports each stage."""
@@ -203,5 +204,6 @@ def _linear_order(where: str, stages: tuple[StagePipelineConfig, ...], final: in
         missing = sorted({s.stage_id for s in stages} - set(order))
         raise PipelineConfigError(f"{where}: stages {missing} are not on the chain from stage {entries[0]}")
     if order[-1] != final:
-        raise PipelineConfigError(f"{where}: the final_output stage {final} must end the chain (it ends at {order[-1]})")
+        raise PipelineConfigError(f"{where}: the final_output stage {final} must end the chain "
+                                  f"(it ends at {order[-1]})")
     return tuple(order)

@@ -22,8 +22,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Mapping
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -38,7 +39,11 @@ from omnigraph.pipelines.config import (
 from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
 from omnigraph.pipelines.strict_yaml import StrictYamlError, read_yaml_file
 from omnigraph.workers.route import (
-    DEFAULT_CUDA_GRAPH_MAX_ROWS, DEFAULT_MAILBOX_BYTES, DEFAULT_MAX_CUDA_GRAPHS, MAX_CUDA_GRAPHS_LIMIT, MAX_SPIN_WAIT_US,
+    DEFAULT_CUDA_GRAPH_MAX_ROWS,
+    DEFAULT_MAILBOX_BYTES,
+    DEFAULT_MAX_CUDA_GRAPHS,
+    MAX_CUDA_GRAPHS_LIMIT,
+    MAX_SPIN_WAIT_US,
     mailbox_bytes_problem,
 )
 from omnigraph.workers.wire import SPIN_WAIT_US
@@ -328,7 +333,8 @@ def resolve_pipeline(deploy: DeployConfig) -> PipelineConfig:
     declared = sorted(stage.stage_id for stage in pipeline.stages)
     planned = sorted(stage.stage_id for stage in deploy.stages)
     if declared != planned:
-        raise DeployConfigError(f"stages: pipeline {pipeline.model_type!r} declares stages {declared}, the plan has {planned}")
+        raise DeployConfigError(f"stages: pipeline {pipeline.model_type!r} declares stages {declared}, "
+                                f"the plan has {planned}")
     for index, stage in enumerate(deploy.stages):
         kind = pipeline.stage(stage.stage_id).execution_type
         needed = GRAPH_BACKEND if kind is StageExecutionType.GRAPH else NATIVE_BACKEND
@@ -462,10 +468,12 @@ def _format_errors(exc: ValidationError) -> str:
         elif error["type"] in ("missing", "union_tag_not_found"):  # the latter: a backend without `name`
             lines.append(f"{where}{'.name' if error['type'] == 'union_tag_not_found' else ''}: required key is missing")
         elif error["type"] == "union_tag_invalid":
-            lines.append(f"{where}.name: unknown backend {error['ctx']['tag']!r}; expected {error['ctx']['expected_tags']}")
+            lines.append(f"{where}.name: unknown backend {error['ctx']['tag']!r}; "
+                         f"expected {error['ctx']['expected_tags']}")
         else:
             message = error["msg"].removeprefix("Value error, ")
-            lines.append(f"{where}: {message} (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else f"{where}: {message}")
+            shown = "input" in error and not isinstance(error["input"], dict)
+            lines.append(f"{where}: {message} (got {error['input']!r})" if shown else f"{where}: {message}")
     return "\n".join(lines)
 
 

@@ -74,6 +74,6 @@ def read_yaml_file(path: Path) -> Any:
     if len(data) > MAX_YAML_BYTES:  # it grew while being read
         raise StrictYamlError(f"more than a deploy YAML may hold ({MAX_YAML_BYTES} bytes)")
     try:
-        return yaml.load(data.decode("utf-8"), Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
+        return yaml.load(data.decode("utf-8"), Loader=_StrictLoader)  # _StrictLoader is a SafeLoader subclass
     except UnicodeDecodeError as exc:
         raise StrictYamlError(f"not UTF-8 text: {exc}") from None

@@ -25,8 +25,9 @@ import sys
 import threading
 import uuid
 from collections import deque
+from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, AsyncGenerator, Iterable, Mapping, Sequence
+from typing import Any
 
 from omnigraph.bundles import MANIFEST_NAME, load_manifest
 from omnigraph.pipelines.config import PipelineConfig, StageExecutionType
@@ -167,7 +168,8 @@ class OmniBase:
                 max_queued_requests=max_queued_requests or self.deploy.max_queued_requests,
             )
             if warmup and hasattr(self.processor, "warmup_request"):
-                request = self.orchestrator.submit(self.processor.warmup_request(), request_id=f"warmup-{uuid.uuid4().hex}")
+                request = self.orchestrator.submit(self.processor.warmup_request(),
+                                                   request_id=f"warmup-{uuid.uuid4().hex}")
                 try:
                     request.wait(startup_timeout)
                 finally:
@@ -202,12 +204,14 @@ class OmniBase:
 
     def failure(self) -> str | None:
         """One line saying why the pipeline is down for good, or None (it serves, or recovers by itself)."""
-        failed = {stage_id: reason for stage_id, (state, reason) in self.runtime.stage_states().items() if state == "failed"}
+        failed = {stage_id: reason for stage_id, (state, reason) in self.runtime.stage_states().items()
+                  if state == "failed"}
         return "; ".join(f"stage {stage_id}: {reason}" for stage_id, reason in failed.items()) or None
 
     def recovering(self) -> str | None:
         """One line saying which stages cannot serve now but recover by themselves, or None."""
-        down = {stage_id: reason for stage_id, reason in self.runtime.health().items() if not reason.startswith("failed")}
+        down = {stage_id: reason for stage_id, reason in self.runtime.health().items()
+                if not reason.startswith("failed")}
         return "; ".join(f"stage {stage_id}: {reason}" for stage_id, reason in down.items()) or None
 
     def queue_depth(self) -> int:

@@ -27,7 +27,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -236,7 +237,8 @@ class GraphReplica:
                 continue
             remaining = item.remaining()
             if remaining is not None and remaining <= 0:
-                item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage {self.stage.stage_id}"))
+                item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage "
+                                           f"{self.stage.stage_id}"))
                 continue
             admitted.append(entry)
         return admitted
@@ -563,7 +565,8 @@ class GraphStage:
         if any(r.serving for r in self.replicas):
             return
         error = self._failed_error() if self.failure is not None else StageUnavailable(
-            f"stage {self.stage_id} has no live replica: {self._recovery_locked()}", retry_after=self._retry_after_locked())
+            f"stage {self.stage_id} has no live replica: {self._recovery_locked()}",
+            retry_after=self._retry_after_locked())
         for item in self.queue.drain():
             item.fail(error)
 
@@ -580,7 +583,8 @@ class GraphStage:
                     delay = None
                 self.backoff_until = None if delay is None else time.monotonic() + delay
             if delay is not None:
-                logger.warning("stage %d: replica %d waits %.0f s before its replacement starts", self.stage_id, slot, delay)
+                logger.warning("stage %d: replica %d waits %.0f s before its replacement starts",
+                               self.stage_id, slot, delay)
                 self._closing.wait(delay)
                 continue
             launched: Launched = []

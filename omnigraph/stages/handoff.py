@@ -7,7 +7,7 @@ inputs. The engine checks those tensors against the inputs the next bundle decla
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import numpy as np
 

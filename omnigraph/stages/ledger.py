@@ -12,9 +12,10 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from omnigraph.stages.errors import CapacityConflict, ReservationRefused, StageError
 
@@ -95,7 +96,8 @@ class ResourceLedger:
             state = self._state_locked(reservation)
             if state is ReservationState.QUARANTINED:
                 raise StageError(
-                    f"{reservation.owner}: reservation is quarantined; release_quarantined() once the worker's exit is verified"
+                    f"{reservation.owner}: reservation is quarantined; "
+                    "release_quarantined() once the worker's exit is verified"
                 )
             self._states[reservation.reservation_id] = ReservationState.RELEASED
 

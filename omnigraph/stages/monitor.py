@@ -17,7 +17,7 @@ import os
 import selectors
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 logger = logging.getLogger("omnigraph.stages")
 

@@ -28,10 +28,11 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -193,7 +194,8 @@ def check_engine_fits(engine: Any, backend: NativeBackendConfig, *, stage_id: in
         problems.append(f"it pools with {pooling_type!r}, not {POOLING_TYPE!r} "
                         f"(--pooler-config '{{\"pooling_type\": \"{POOLING_TYPE}\"}}')")
     if str(model_config.dtype) != _TORCH_DTYPES[backend.dtype]:
-        problems.append(f"it computes in {model_config.dtype}, the plan asks for {backend.dtype} (--dtype {backend.dtype})")
+        problems.append(f"it computes in {model_config.dtype}, the plan asks for {backend.dtype} "
+                        f"(--dtype {backend.dtype})")
     if backend.max_model_len is not None and model_config.max_model_len < backend.max_model_len:
         problems.append(f"it takes prompts of up to {model_config.max_model_len} tokens, the plan's are up to "
                         f"{backend.max_model_len} (--max-model-len {backend.max_model_len})")
@@ -209,9 +211,11 @@ def split_prompts(tensors: Mapping[str, np.ndarray], max_model_len: int) -> list
         if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1:
             raise HandoffInvalid(f"native stage input {name!r} must be an int64 array of rank 1")
     if lengths.size == 0 or lengths.min() < 1 or int(lengths.sum()) != ids.size:
-        raise HandoffInvalid(f"prompt_lengths {lengths.tolist()} must be >= 1 and add up to the {ids.size} prompt token ids")
+        raise HandoffInvalid(f"prompt_lengths {lengths.tolist()} must be >= 1 and add up to the {ids.size} "
+                             "prompt token ids")
     if lengths.max() > max_model_len:
-        raise HandoffInvalid(f"a prompt of {int(lengths.max())} tokens exceeds the engine's max_model_len {max_model_len}")
+        raise HandoffInvalid(f"a prompt of {int(lengths.max())} tokens exceeds the engine's "
+                             f"max_model_len {max_model_len}")
     bounds = np.cumsum(lengths)
     return [chunk.tolist() for chunk in np.split(ids, bounds[:-1])]
 
@@ -266,7 +270,8 @@ class NativeReplica:
             return
         remaining = item.remaining()
         if remaining is not None and remaining <= 0:
-            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed before stage {self.stage.stage_id} started it"))
+            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed before stage "
+                                       f"{self.stage.stage_id} started it"))
             return
         try:
             prompts = split_prompts(item.tensors, self.max_model_len)
@@ -281,7 +286,8 @@ class NativeReplica:
                 states = await asyncio.gather(*(self._pool(rid, ids) for rid, ids in zip(request_ids, prompts)))
             finished = True
         except TimeoutError:
-            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage {self.stage.stage_id}"))
+            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage "
+                                       f"{self.stage.stage_id}"))
             return
         except Exception as exc:  # the engine refused or failed the requests
             if self.engine.dead:
@@ -399,7 +405,8 @@ class NativeStage:
         if spec is None or spec.dtype != np.float32 or len(spec.shape) != 2 or spec.shape[1] not in (None, hidden_size):
             declared = "no hidden_states input" if spec is None else f"hidden_states {spec.describe()}"
             raise NativeStageError(self.stage_id, 0, f"stage {consumer_id} declares {declared}; this engine "
-                                   f"({self.replicas[0].describe()['served_model']}) returns hidden_states float32[P, {hidden_size}]")
+                                   f"({self.replicas[0].describe()['served_model']}) returns hidden_states "
+                                   f"float32[P, {hidden_size}]")
 
     def submit(self, item: WorkItem) -> None:
         self.check_available()

@@ -333,7 +333,8 @@ class Orchestrator:
         try:
             produced = following.handoff({stage.stage_id: outputs}, request.prepared.work[item.index])
             if not isinstance(produced, Mapping) or set(produced) != {"tensors"}:
-                raise HandoffInvalid(f"stage {following.stage_id}: custom_process_input_func must return {{'tensors': {{...}}}}")
+                raise HandoffInvalid(f"stage {following.stage_id}: custom_process_input_func must return "
+                                     "{'tensors': {...}}")
             tensors = check_tensors(f"stage {following.stage_id} input", produced["tensors"], following.input_specs)
             following.submit(_WorkItem(self, request, item.index, position, tensors))
         except Exception as exc:  # a handoff fault fails this request, never the replica thread

@@ -6,7 +6,8 @@ runtime's business when it builds the chain, nobody else's."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
 import numpy as np
 

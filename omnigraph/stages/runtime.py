@@ -86,7 +86,8 @@ class StageRuntime:
             if isinstance(stage, NativeStage):
                 stage.bind_verified_bundle(bundles)
         for stage in stages:
-            self.ledger.declare_capacities(stage.deploy.resource_budget.capacities, declared_by=f"stage {stage.stage_id}")
+            self.ledger.declare_capacities(stage.deploy.resource_budget.capacities,
+                                           declared_by=f"stage {stage.stage_id}")
         owners = [(stage, replica) for stage in stages for replica in range(stage.deploy.num_replicas)]
         reservations = self.ledger.reserve_all([
             (_owner(stage, replica), stage.deploy.resource_budget.demands) for stage, replica in owners
@@ -150,7 +151,8 @@ class StageRuntime:
                        restarts: int = 0) -> GraphReplica:
         """Start, load and warm up one worker charged to `reservation`; `launched` gets it once it exists."""
         try:
-            client = WorkerClient.start(stage.route, generation=next(self._generations), startup_timeout=self.startup_timeout)
+            client = WorkerClient.start(stage.route, generation=next(self._generations),
+                                        startup_timeout=self.startup_timeout)
         except Exception as exc:
             raise StageStartupError(stage.stage_id, replica, f"worker did not start: {exc}") from exc
         stage.register_launch(launched, client, reservation)
@@ -160,7 +162,8 @@ class StageRuntime:
         except Exception as exc:
             raise StageStartupError(stage.stage_id, replica, f"load and warmup refused: {exc}") from exc
         if report.manifest_sha256 != stage.bundle.manifest_sha256:
-            raise StageStartupError(stage.stage_id, replica, "the worker loaded another manifest than the one verified here")
+            raise StageStartupError(stage.stage_id, replica,
+                                    "the worker loaded another manifest than the one verified here")
         return GraphReplica(stage, replica, client, reservation, self.ledger, report, restarts=restarts,
                                 hang_grace_s=stage.deploy.hang_grace_s)
 

@@ -33,7 +33,8 @@ class TensorProcessor:
             raise RequestInvalid("tensors", str(exc).removeprefix("tensors: ")) from None
         size = sum(array.nbytes for array in tensors.values())
         if size > self._max_io_bytes:
-            raise RequestTooLarge("tensors", f"{size} bytes of tensors; the stage's route takes at most {self._max_io_bytes}")
+            raise RequestTooLarge("tensors", f"{size} bytes of tensors; the stage's route takes at most "
+                                             f"{self._max_io_bytes}")
         return PreparedRequest(work=(tensors,), context=None)
 
     def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -6,15 +6,14 @@ a precise error naming the stage and tensor instead of a remote failure after a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from omnigraph.stages.errors import HandoffInvalid
 from omnigraph.workers.reports import LoadReport
-
 
 # ONNX Runtime's element type names -> numpy; bfloat16 travels as its raw uint16 bits (see wire.py).
 _ORT_TYPES = {
@@ -43,7 +42,8 @@ def input_specs(report: LoadReport) -> dict[str, InputSpec]:
     specs = {}
     for spec in report.inputs:
         if spec.onnx_type not in _ORT_TYPES:
-            raise HandoffInvalid(f"{report.component}: input {spec.name!r} has type {spec.onnx_type}, which no wire carries")
+            raise HandoffInvalid(f"{report.component}: input {spec.name!r} has type {spec.onnx_type}, "
+                                 "which no wire carries")
         shape = tuple(d if isinstance(d, int) else None for d in spec.shape)
         specs[spec.name] = InputSpec(spec.name, np.dtype(_ORT_TYPES[spec.onnx_type]), shape)
     return specs
@@ -62,7 +62,9 @@ def check_tensors(where: str, tensors: Any, specs: Mapping[str, InputSpec]) -> d
         if not isinstance(array, np.ndarray):
             raise HandoffInvalid(f"{where}: input {name!r} must be a numpy array, got {type(array).__name__}")
         if array.dtype != spec.dtype:
-            raise HandoffInvalid(f"{where}: input {name!r} is {array.dtype.name}, the bundle declares {spec.describe()}")
+            raise HandoffInvalid(f"{where}: input {name!r} is {array.dtype.name}, "
+                                 f"the bundle declares {spec.describe()}")
         if array.ndim != len(spec.shape) or any(d is not None and d != n for d, n in zip(spec.shape, array.shape)):
-            raise HandoffInvalid(f"{where}: input {name!r} has shape {list(array.shape)}, the bundle declares {spec.describe()}")
+            raise HandoffInvalid(f"{where}: input {name!r} has shape {list(array.shape)}, "
+                                 f"the bundle declares {spec.describe()}")
     return dict(tensors)

@@ -202,7 +202,7 @@ def _positive_int(config: dict[str, Any], key: str, where: Path) -> int:
 def _float32_tensors(path: Path) -> dict[str, np.ndarray]:
     """A safetensors file as float32 arrays (through torch, which reads bf16 where NumPy cannot)."""
     with safe_open(str(path), "pt") as handle:
-        return {name: handle.get_tensor(name).float().numpy() for name in handle.keys()}
+        return {name: handle.get_tensor(name).float().numpy() for name in handle.keys()}  # noqa: SIM118 (a safe_open handle, not a dict)
 
 
 def load_weights(base: Path) -> dict[str, np.ndarray]:

@@ -35,10 +35,11 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jinja2
 from jinja2.ext import loopcontrols
@@ -137,7 +138,7 @@ class PromptTemplate:
         object.__setattr__(self, "special_tokens", dict(self.special_tokens))
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PromptTemplate":
+    def from_dict(cls, data: Mapping[str, Any]) -> PromptTemplate:
         """Read the object of prompt_template.json (its ``format`` must be this module's)."""
         if not isinstance(data, Mapping):
             raise PromptTemplateInvalid(f"a prompt template must be a JSON object, got {type(data).__name__}")
@@ -152,7 +153,7 @@ class PromptTemplate:
         return cls(**{key: data[key] for key in _TEMPLATE_KEYS if key != "format"})
 
     @classmethod
-    def load(cls, path: Path) -> "PromptTemplate":
+    def load(cls, path: Path) -> PromptTemplate:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:

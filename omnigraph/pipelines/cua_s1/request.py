@@ -12,8 +12,9 @@ and ``state`` the accessibility tree.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from omnigraph.pipelines.cua_s1.prompt import LETTERS
 from omnigraph.pipelines.processor import RequestInvalid

@@ -13,7 +13,8 @@ power of two (the layout's ``rows`` bucket) by repeating its last real row; a CU
 captures only calls of up to ``cuda_graph_max_rows`` rows, so larger calls keep their exact rows,
 as they do wherever ONNX Runtime takes any row count: padding rows there would only burn compute.
 Unpacking gives each item its own rows and marker slots: padded rows and slots never reach a
-response, and every question is still decoded on its own row (normalisation per question, usage per request, in ``processor.finish``).
+response, and every question is still decoded on its own row (normalisation per question, usage per
+request, in ``processor.finish``).
 
 Padding cannot change a real row's answer: attention masks padded tokens, ``marker_mask`` masks
 padded slots, and rows never mix in the graph; on CPU fp32 the logits are bit-identical whatever
@@ -22,7 +23,8 @@ the call's length, slots or rows (tests/laya/test_batching.py compares the JSON)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable, Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -62,7 +64,8 @@ class LayaBatchAdapter:
         self._layout = BatchLayout(pad_id=layout["pad_id"], max_len=layout.get("max_len", BatchLayout.max_len))
         self.fixed_shapes = route.enable_cuda_graph or route.ep == "tensorrt"
         if self.fixed_shapes and layout.get("unpadded", False):
-            raise ValueError(f"{bundle.manifest_path}: this bundle computes real tokens only (metadata.layout.unpadded), "
+            raise ValueError(f"{bundle.manifest_path}: this bundle computes real tokens only "
+                             f"(metadata.layout.unpadded), "
                              f"whose shapes follow the data; route {route.name!r} runs fixed shapes (a CUDA graph or "
                              f"a TensorRT engine): build a bf16 or fp16 bundle for it")
         # rows up to this run at fixed shapes (None: any number of rows does)

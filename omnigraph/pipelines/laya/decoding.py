@@ -12,8 +12,9 @@ Decision API's answer, ``omnigraph.pipelines.system_one.decoding``) and
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -49,7 +50,7 @@ class Calibration:
     version: str = ""
 
     @classmethod
-    def from_metadata(cls, calibration: Mapping[str, Any]) -> "Calibration":
+    def from_metadata(cls, calibration: Mapping[str, Any]) -> Calibration:
         """Read a bundle manifest's ``calibration`` entry."""
         raw = calibration.get("temperature", [1.0, 1.0, 1.0])
         if not isinstance(raw, (list, tuple)) or len(raw) != len(QUESTION_TYPES):

@@ -68,11 +68,13 @@ class EncoderConfig:
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:
-            raise CheckpointInvalid(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_heads}")
+            raise CheckpointInvalid(f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads "
+                                    f"{self.num_heads}")
         if len(self.layer_types) != self.num_layers or set(self.layer_types) - {GLOBAL, LOCAL}:
             raise CheckpointInvalid(f"layer_types must name {self.num_layers} layers as {GLOBAL!r} or {LOCAL!r}")
         if LOCAL in self.layer_types and self.local_attention < 2:
-            raise CheckpointInvalid(f"local_attention must be at least 2 for {LOCAL!r} layers, got {self.local_attention}")
+            raise CheckpointInvalid(f"local_attention must be at least 2 for {LOCAL!r} layers, "
+                                    f"got {self.local_attention}")
         if not 0 <= self.pad_token_id < self.vocab_size:
             raise CheckpointInvalid(f"pad_token_id {self.pad_token_id} is outside the vocabulary ({self.vocab_size})")
 
@@ -112,7 +114,8 @@ class EncoderConfig:
                 norm_eps=float(raw.get("norm_eps", 1e-5)),
                 local_attention=int(raw.get("local_attention", 128)),
                 layer_types=layer_types,
-                global_rope_theta=float((rope.get(GLOBAL) or {}).get("rope_theta", raw.get("global_rope_theta", 160000.0))),
+                global_rope_theta=float((rope.get(GLOBAL) or {}).get("rope_theta",
+                                                                     raw.get("global_rope_theta", 160000.0))),
                 local_rope_theta=float((rope.get(LOCAL) or {}).get("rope_theta", raw.get("local_rope_theta", 10000.0))),
             )
         except KeyError as exc:
@@ -457,7 +460,8 @@ def load_checkpoint_weights(module: DecisionGraph, weights_path: Path) -> None:
     for name, shape in expected.items():
         tensor = weights[name]
         if tuple(tensor.shape) != shape:
-            raise CheckpointInvalid(f"{weights_path}: tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            raise CheckpointInvalid(f"{weights_path}: tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                    f"expected {shape}")
         if not tensor.is_floating_point():
             raise CheckpointInvalid(f"{weights_path}: tensor {name!r} has dtype {tensor.dtype}, expected a float type")
         if not math.isfinite(float(tensor.float().abs().max())):

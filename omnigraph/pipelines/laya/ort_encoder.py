@@ -220,7 +220,8 @@ class _EncoderBuilder:
             k = self.projection(normed, wqkv[d:2 * d], prefix + "attn.Wk")
             v = self.projection(normed, wqkv[2 * d:], prefix + "attn.Wv")
             if tokens is not None:
-                q, k, v = (self.padded(x, tokens, f"{scope}/padded_{part}") for x, part in ((q, "q"), (k, "k"), (v, "v")))
+                q, k, v = (self.padded(x, tokens, f"{scope}/padded_{part}")
+                           for x, part in ((q, "q"), (k, "k"), (v, "v")))
             q, k = (self.fused("RotaryEmbedding", [x, first_position, *rope[layer_type]], f"{scope}/rope_{part}",
                                num_heads=config.num_heads) for x, part in ((q, "q"), (k, "k")))
             if layer_type == LOCAL:
@@ -316,9 +317,9 @@ class _EncoderBuilder:
                               node("Unsqueeze", [query_pos, lit("key_axis", [-1])], "query_pos_column")], "offset")
         near = node("LessOrEqual", [node("Abs", [offset], "distance"), lit("max_distance", half_width)], "near")
         real_keys = node("Gather", [node("Cast", ["attention_mask"], "real", to=TensorProto.BOOL), key_index],
-                         "real_keys", axis=1)                                                       # (B, N, width)
+                         "real_keys", axis=1)                                                 # (B, N, width)
         visible = node("And", [near, node("Unsqueeze", [real_keys, lit("query_axis", [2])], "real_keys_rows")],
-                       "visible")                                                                   # (B, N, block, width)
+                       "visible")                                                             # (B, N, block, width)
         bias = node("Where", [visible, self.literal("windows/seen", 0.0, np.float32),
                               self.literal("windows/unseen", _NEG, np.float32)], "bias")
         sequences = as_1d(node("Mul", [batch, blocks], "sequences"), "sequences_1d")

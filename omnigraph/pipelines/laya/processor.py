@@ -13,14 +13,23 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from omnigraph.pipelines.laya.decoding import Calibration, act_probabilities, decode_answer
 from omnigraph.pipelines.laya.sequence import (
-    OPTION_TOKEN_LIMIT, PROMPT_TEMPLATE, BatchLayout, Head, LayaTokenizer, Row, build_head, collate, head_row,
+    OPTION_TOKEN_LIMIT,
+    PROMPT_TEMPLATE,
+    BatchLayout,
+    Head,
+    LayaTokenizer,
+    Row,
+    build_head,
+    collate,
+    head_row,
     pack_batches,
 )
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid

@@ -21,9 +21,10 @@ import hashlib
 import itertools
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
@@ -231,7 +232,8 @@ class LayaTokenizer:
 
     def _encode_each(self, texts: Sequence[str]) -> list[tuple[int, ...]]:
         """Each text's ids, in one tokenizer call."""
-        return [tuple(encoding.ids) for encoding in self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)]
+        encodings = self._tokenizer.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [tuple(encoding.ids) for encoding in encodings]
 
     def encode_head(self, text: str) -> tuple[int, ...]:
         """Token ids of a question's head text, memoised (the same questions come again and again)."""

@@ -11,8 +11,9 @@ Open-Jev has no action head, so its answers carry no ``action``.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -38,7 +39,7 @@ class Calibration:
         object.__setattr__(self, "temperature", float(t))
 
     @classmethod
-    def from_metadata(cls, calibration: Mapping[str, Any]) -> "Calibration":
+    def from_metadata(cls, calibration: Mapping[str, Any]) -> Calibration:
         """Read a head bundle manifest's ``calibration`` entry."""
         return cls(temperature=calibration.get("temperature"), version=calibration.get("version"))
 

@@ -15,8 +15,9 @@ candidate is scored in its own prompt, so there is no order to show.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -26,7 +27,11 @@ from omnigraph.pipelines.open_jev.prompt import PromptTemplate, content_text, qu
 from omnigraph.pipelines.processor import PreparedRequest, ProcessorOutputInvalid, RequestInvalid, RequestTooLarge
 from omnigraph.pipelines.system_one.decoding import decision_response
 from omnigraph.pipelines.system_one.request import (
-    NOUL_DEFAULT_TEXTS, DecisionRequest, Question, RequestLimits, parse_request,
+    NOUL_DEFAULT_TEXTS,
+    DecisionRequest,
+    Question,
+    RequestLimits,
+    parse_request,
 )
 
 if TYPE_CHECKING:

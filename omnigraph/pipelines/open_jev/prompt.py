@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "DEFAULT_PROMPT_TEMPLATE",
@@ -77,7 +78,7 @@ class PromptTemplate:
             raise PromptTemplateInvalid("candidate and noul must not be blank: every prompt needs its own ending")
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, where: str = "prompt template") -> "PromptTemplate":
+    def from_dict(cls, data: Mapping[str, Any], *, where: str = "prompt template") -> PromptTemplate:
         """Read the JSON form written by ``to_json``; unknown or missing keys are refused."""
         if not isinstance(data, Mapping):
             raise PromptTemplateInvalid(f"{where}: must be a JSON object")
@@ -94,7 +95,7 @@ class PromptTemplate:
             raise PromptTemplateInvalid(f"{where}: {exc}") from None
 
     @classmethod
-    def from_file(cls, path: Path) -> "PromptTemplate":
+    def from_file(cls, path: Path) -> PromptTemplate:
         try:
             data = json.loads(Path(path).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -9,7 +9,8 @@ counted while it is read: `Content-Length` is only a claim (and absent under chu
 from __future__ import annotations
 
 import re
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from omnigraph.bundles.strict_json import loads_strict
 
@@ -50,7 +51,8 @@ async def read_capped(chunks: AsyncIterator[bytes], content_length: str | None,
         try:
             claimed = int(content_length)
         except ValueError:
-            raise BodyError(400, f"content-length is not a number: {content_length!r}", "invalid_content_length") from None
+            raise BodyError(400, f"content-length is not a number: {content_length!r}",
+                            "invalid_content_length") from None
         if claimed > max_bytes:
             raise BodyError(413, f"request body too large ({claimed} > {max_bytes} bytes)", "request_too_large")
     received = bytearray()

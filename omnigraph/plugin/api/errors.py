@@ -42,7 +42,7 @@ class ApiError(Exception):
         self.headers = headers or {}
 
     @classmethod
-    def from_body_error(cls, error: BodyError) -> "ApiError":
+    def from_body_error(cls, error: BodyError) -> ApiError:
         # An over-limit body is left unread: the connection cannot carry another request after it.
         headers = {"Connection": "close"} if error.status == 413 else None
         return cls(error.status, error.message, code=error.code, headers=headers)

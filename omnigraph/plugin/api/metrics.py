@@ -7,7 +7,8 @@ engine at scrape time (collectors), so they are never stale.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -63,8 +64,8 @@ class _BatchingMetrics(Collector):
             family = HistogramMetricFamily(name, documentation, labels=["stage"])
             for stage, stats in stages:
                 histogram = stats["histograms"][key]
-                family.add_metric([str(stage)], [(floatToGoString(bound), count) for bound, count in histogram["buckets"]],
-                                  histogram["sum"])
+                buckets = [(floatToGoString(bound), count) for bound, count in histogram["buckets"]]
+                family.add_metric([str(stage)], buckets, histogram["sum"])
             yield family
         efficiency = GaugeMetricFamily("omnigraph_batch_padding_efficiency",
                                        "Real over padded tokens of the calls so far (rows for graphs without tokens)",

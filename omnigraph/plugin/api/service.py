@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 from omnigraph.pipelines.processor import RequestInvalid
 from omnigraph.plugin.api.errors import ApiError
-from omnigraph.stages.startup import StartCancel
 from omnigraph.stages.errors import (
     DeadlineExceeded,
     PipelineClosed,
@@ -24,6 +24,7 @@ from omnigraph.stages.errors import (
     ResourceUnavailable,
     StageUnavailable,
 )
+from omnigraph.stages.startup import StartCancel
 
 logger = logging.getLogger("omnigraph.plugin.api")
 
