@@ -1,9 +1,9 @@
 """What the graph worker's wire costs: an identity graph run through a worker process vs the same
 InferenceSession.run in process, for 4 KB, 1 MB and 64 MB tensors, each sent through the mailbox
-(shared-memory areas and semaphores, workers/mailbox.py; the area sized to hold the frame), inline
-through the socket, and as shared memory (a memory file), to show where wire.SHM_THRESHOLD_BYTES
-and the route's mailbox_bytes belong; inline also with both ends sleeping at once (spin_wait_us 0),
-to show what wire.SpinWait saves. The in-process session and every path are timed in alternating
+(shared-memory areas and posix_ipc semaphores, workers/mailbox.py; the area sized to hold the
+frame) and inline through the socket (the route's mailbox_bytes 0), to show whether the mailbox
+pays its way and where mailbox_bytes belongs; the socket also with both ends sleeping at once
+(spin_wait_us 0), to show what wire.SpinWait saves. The in-process session and every path are timed in alternating
 blocks (ROUNDS of them), so a quiet or a busy minute of a shared machine shows in all of them.
 
     python benchmarks/wire.py [--json PATH] [--quick]
@@ -63,13 +63,11 @@ except ImportError:  # run as a script: this folder is sys.path[0]
     from machine import cpu_name
 
 CASES = [("4KB", 4 * 1024, 5000), ("1MB", 1024 * 1024, 500), ("64MB", 64 * 1024 * 1024, 30)]
-# (path, shm threshold for a tensor of n bytes, spin_wait_us): inline and shared memory with the
-# default polling, and inline with both ends sleeping at once (what polling saves, side by side).
-# (path, shm threshold for a tensor of n bytes, mailbox area for it, spin_wait_us).
-PATHS = [("mailbox", lambda n: 2 * n, lambda n: n + MAILBOX_HEADROOM, SPIN_WAIT_US),
-         ("inline", lambda n: 2 * n, lambda n: 0, SPIN_WAIT_US),
-         ("inline-sleep", lambda n: 2 * n, lambda n: 0, 0),
-         ("shm", lambda n: 1, lambda n: 0, SPIN_WAIT_US)]
+# (path, mailbox area for a tensor of n bytes, spin_wait_us): the mailbox and the socket with the
+# default polling, and the socket with both ends sleeping at once (what polling saves), side by side.
+PATHS = [("mailbox", lambda n: n + MAILBOX_HEADROOM, SPIN_WAIT_US),
+         ("inline", lambda n: 0, SPIN_WAIT_US),
+         ("inline-sleep", lambda n: 0, 0)]
 MAILBOX_HEADROOM = 64 * 1024  # prefix, header and paddings around the tensor
 ROUNDS = 10  # blocks per path, taken in turn (see interleaved_timings_us)
 TARGET_OVERHEAD_US_4KB = 100.0
@@ -281,6 +279,7 @@ def phases_us(manifest: Path, iterations: int) -> list[tuple[str, str, float]]:
         theirs.close()
         mailbox.close_fd()
         ours.recv(1)  # loaded and timed alone
+        mailbox.unlink()  # the child opened the doorbells
         wait, seen = wire.SpinWait(ours, SPIN_WAIT_US), 0
         framing = _MinimalFraming(ours, limit)
 
@@ -336,6 +335,7 @@ def main() -> int:
         "onnxruntime": ort.__version__,
         "numpy": np.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "loadavg_start": [round(v, 2) for v in os.getloadavg()],
         "command": shlex.join([Path(sys.executable).name, *sys.argv]),
     }
     rows = []
@@ -355,10 +355,10 @@ def main() -> int:
                 # the call the worker's GraphSession makes: output names and a held RunOptions (the
                 # fastest form of InferenceSession.run, so the worker is not compared with a slower one)
                 calls = {"in_process": lambda: session.run(["y"], feed, run_options)}
-                for path, threshold, mailbox_bytes, spin_us in PATHS:
+                for path, mailbox_bytes, spin_us in PATHS:
                     route = WorkerRoute(name="bench-cpu", interpreter=sys.executable, max_io_bytes=128 * 1024 * 1024,
-                                        intra_op_num_threads=1, shm_threshold_bytes=threshold(nbytes),
-                                        mailbox_bytes=mailbox_bytes(nbytes), spin_wait_us=spin_us)
+                                        intra_op_num_threads=1, mailbox_bytes=mailbox_bytes(nbytes),
+                                        spin_wait_us=spin_us)
                     client = workers.enter_context(WorkerClient.start(route, generation=0))
                     client.load(bundle.manifest_path)
                     assert np.array_equal(client.run(feed, request_id="check", stage_id=0, epoch=0)["y"], x)
@@ -394,6 +394,10 @@ def main() -> int:
     verdict = "meets" if overhead <= TARGET_OVERHEAD_US_4KB else "MISSES"
     print(f"4KB worker overhead {overhead:.1f} us: {verdict} the {TARGET_OVERHEAD_US_4KB:.0f} us target")
     print(f"{identity['cpu']}, python {identity['python']}, onnxruntime {identity['onnxruntime']}, {identity['date']}")
+    loadavg_end = [round(v, 2) for v in os.getloadavg()]
+    print(f"load average (1, 5, 15 min) at the start {identity['loadavg_start']}, at the end {loadavg_end}")
+    for row in rows:
+        row["loadavg_end"] = loadavg_end
     if args.json:
         _write_rows(args.json, rows)
     return 0
