@@ -263,6 +263,13 @@ class StageDeployConfig(_Strict):
         return any(getattr(self, key) is not None for key in _DECLARATION_KEYS)
 
     @property
+    def graph_backend(self) -> GraphBackendConfig:
+        """The backend of a graph stage (a plan that validated gives every graph stage one)."""
+        if not isinstance(self.backend, GraphBackendConfig):
+            raise DeployConfigError(f"stage {self.stage_id} has no {GRAPH_BACKEND!r} backend")
+        return self.backend
+
+    @property
     def reverify_interval_s(self) -> float | None:
         """Seconds between re-verifications of a graph stage's bundle (bundles/watch.py); None when
         off (`backend.reverify_interval_s` 0 or null) or for a stage without a graph bundle."""

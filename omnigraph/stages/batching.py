@@ -25,12 +25,13 @@ lone request never waits for batch-mates that cannot come.
 from __future__ import annotations
 
 import bisect
+import enum
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Final, NamedTuple, Protocol
 
 import numpy as np
 
@@ -40,7 +41,13 @@ if TYPE_CHECKING:
     from omnigraph.pipelines.config import StagePipelineConfig
     from omnigraph.pipelines.deploy import BatchingConfig
 
-STOP = object()  # queued once per serving replica at shutdown
+class Stop(enum.Enum):
+    """The shutdown marker's type (an enum member, so that `entry is STOP` narrows a queue entry)."""
+
+    STOP = "stop"
+
+
+STOP: Final = Stop.STOP  # queued once per serving replica at shutdown
 
 # Why 500: closed-loop clients resubmit within a few hundred microseconds of their answers (the
 # answer's hand-off, prepare, admission), so a free replica that waits this long gathers most of them
@@ -240,7 +247,7 @@ class StageQueue:
         # How many requests are admitted to the pipeline (set by the orchestrator; None: unknown,
         # always wait): a replica waits for batch-mates only while more exist than its batch holds.
         self.admitted_requests: Callable[[], int] | None = None
-        self._entries: deque[Queued | object] = deque()
+        self._entries: deque[Queued | Stop] = deque()
         self._ready = threading.Condition(threading.Lock())
 
     def put(self, item: Any) -> None:
@@ -266,11 +273,11 @@ class StageQueue:
     def drain(self) -> list[Any]:
         """Remove and return every queued work item (shutdown markers stay)."""
         with self._ready:
-            items = [entry.item for entry in self._entries if entry is not STOP]  # type: ignore[union-attr]
+            items = [entry.item for entry in self._entries if entry is not STOP]
             self._entries = deque(entry for entry in self._entries if entry is STOP)
             return items
 
-    def take(self) -> list[Queued] | object:
+    def take(self) -> list[Queued] | Stop:
         """Block for the oldest entry: `STOP`, or the entries of one call led by it."""
         with self._ready:
             while not self._entries:
@@ -278,9 +285,9 @@ class StageQueue:
             first = self._entries.popleft()
             if first is STOP:
                 return STOP
-            batch: list[Queued] = [first]  # type: ignore[list-item]
-            total = first.footprint  # type: ignore[union-attr]
-            if self.limits.max_rows > 1 and first.group is not None:  # type: ignore[union-attr]
+            batch: list[Queued] = [first]
+            total = first.footprint
+            if self.limits.max_rows > 1 and first.group is not None:
                 deadline = time.monotonic() + self.limits.wait_us / 1e6
                 while True:
                     total = self._gather_locked(batch, total)
@@ -302,17 +309,17 @@ class StageQueue:
         limits and the adapter's own caps; cancelled items leave the queue unseen. The batch's
         combined footprint."""
         group = batch[0].group
-        kept: deque[Queued | object] = deque()
+        kept: deque[Queued | Stop] = deque()
         for entry in self._entries:
             if entry is STOP:
                 kept.append(entry)
                 continue
-            if not entry.item.is_live():  # type: ignore[union-attr]
+            if not entry.item.is_live():
                 continue
-            if entry.group == group:  # type: ignore[union-attr]
-                combined = total.combine(entry.footprint)  # type: ignore[union-attr]
+            if entry.group == group:
+                combined = total.combine(entry.footprint)
                 if self.adapter.fits(combined) and self.limits.admits(self.adapter.padded(combined)):
-                    batch.append(entry)  # type: ignore[arg-type]
+                    batch.append(entry)
                     total = combined
                     continue
             kept.append(entry)

@@ -223,8 +223,8 @@ class GraphReplica:
             batch = self.stage.queue.take()
             if batch is STOP:
                 return
-            self.stage.batch_stats.record_waits([entry.waited_s for entry in batch])  # type: ignore[union-attr]
-            entries = self._admit(batch)  # type: ignore[arg-type]
+            self.stage.batch_stats.record_waits([entry.waited_s for entry in batch])
+            entries = self._admit(batch)
             if entries and not self._call(entries):
                 return
 
@@ -350,7 +350,7 @@ class GraphReplica:
 def worker_route(stage: StageDeployConfig) -> WorkerRoute:
     """The route a graph stage's workers run on; on GPU routes the stage's VRAM demand on its
     device (`machine:vram:<device_id>`) becomes ORT's arena limit (`gpu_mem_limit`)."""
-    backend = stage.backend
+    backend = stage.graph_backend
     route = backend.route
     vram = stage.resource_budget.demands.get(f"machine:vram:{route.device_id}") if route.ep != "cpu" else None
     extra = {"max_io_bytes": backend.max_io_bytes} if backend.max_io_bytes is not None else {}

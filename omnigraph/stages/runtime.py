@@ -118,8 +118,8 @@ class StageRuntime:
         for stage in stages:
             if isinstance(stage, GraphStage):
                 stage.monitor = self._monitor
-                for replica in stage.replicas:
-                    stage.serve(replica)
+                for graph_replica in stage.replicas:
+                    stage.serve(graph_replica)
                 if stage.deploy.reverify_interval_s is not None:
                     self._monitor.every(stage.deploy.reverify_interval_s, stage.check_bundle)
 
@@ -144,7 +144,7 @@ class StageRuntime:
         deploy = self.deploy.stage(stage_id)
         if config.execution_type is StageExecutionType.LLM_POOLING:
             return NativeStage(config, deploy, served=self.served_engine)
-        bundle = verify_bundle(deploy.backend.manifest)
+        bundle = verify_bundle(deploy.graph_backend.manifest)
         return GraphStage(config, deploy, bundle, worker_route(deploy), self._start_replacement)
 
     def _start_replica(self, stage: GraphStage, replica: int, reservation: Reservation, launched: Launched, *,
@@ -222,5 +222,5 @@ class StageRuntime:
             stage.stop(timeout)
 
 
-def _owner(stage: GraphStage, replica: int) -> str:
+def _owner(stage: GraphStage | NativeStage, replica: int) -> str:
     return f"stage{stage.stage_id}/replica{replica}"
