@@ -65,13 +65,13 @@ def pack_bundle(
     library_file = custom_ops.library_file if isinstance(custom_ops, CustomOpsEntry) else (custom_ops or {}).get(
         "library_file"
     )
-    for field, name in (
+    for field, member in (
         ("graph_file", graph_file),
         ("example_inputs_file", example_inputs_file),
         ("custom_ops.library_file", library_file),
     ):
-        if name is not None and name not in names:
-            raise BundleFileMissing(f"{field} {name!r} is not a file in {root}")
+        if member is not None and member not in names:
+            raise BundleFileMissing(f"{field} {member!r} is not a file in {root}")
     graphs = {member: load_graph_structure(root / member) for member in graph_members(names, graph_file)}
     for member, model in graphs.items():
         check_external_data(root, member, model, names)

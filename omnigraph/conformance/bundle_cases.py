@@ -55,7 +55,7 @@ def build_case_bundle(send: Mapping[str, Any], graphs: Mapping[str, Any], workdi
         arrays = {name: tensor_from_spec(t, where=f"{where} example input {name}")
                   for name, t in example["tensors"].items()}
         with open(root / example["file"], "wb") as handle:
-            np.savez(handle, **arrays)
+            np.savez(handle, allow_pickle=False, **arrays)
     for name, text in spec.get("files", {}).items():
         _write(root / name, text)
     pack_bundle(

@@ -435,8 +435,10 @@ def _absolutize_paths(data: dict[str, Any], folder: Path) -> None:
         return
     for stage in stages:
         backend = stage.get("backend") if isinstance(stage, dict) else None
+        if not isinstance(backend, dict):
+            continue
         for key in ("manifest", "model"):
-            value = backend.get(key) if isinstance(backend, dict) else None
+            value = backend.get(key)
             if isinstance(value, str) and value and not Path(value).expanduser().is_absolute():
                 backend[key] = str(folder / value)
 

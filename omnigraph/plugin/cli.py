@@ -47,7 +47,10 @@ def _bundle_inspect(args: argparse.Namespace) -> int:
 def _bundle_build(args: argparse.Namespace) -> int:
     from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 
-    build = resolve_dotted(get_pipeline(args.model).bundle_builder)
+    builder = get_pipeline(args.model).bundle_builder
+    if builder is None:
+        raise ValueError(f"pipeline {args.model!r} declares no bundle_builder")
+    build = resolve_dotted(builder)
     bundle = build(Path(args.checkpoint), Path(args.out), precision=args.precision, fast=args.fast)
     print(f"built {bundle.manifest_path} (sha256 {bundle.manifest_sha256})")
     return 0
@@ -56,7 +59,10 @@ def _bundle_build(args: argparse.Namespace) -> int:
 def _bundle_synth(args: argparse.Namespace) -> int:
     from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 
-    synthesize = resolve_dotted(get_pipeline(args.model).checkpoint_synthesizer)
+    synthesizer = get_pipeline(args.model).checkpoint_synthesizer
+    if synthesizer is None:
+        raise ValueError(f"pipeline {args.model!r} declares no checkpoint_synthesizer")
+    synthesize = resolve_dotted(synthesizer)
     out = synthesize(args.size, seed=args.seed, out=Path(args.out))
     print(f"synthesised {args.model} checkpoint ({args.size}, seed {args.seed}) at {out}")
     return 0

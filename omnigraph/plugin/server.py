@@ -93,6 +93,7 @@ def uvicorn_config(app: Any, *, host: str, port: int) -> uvicorn.Config:
     """uvicorn's settings: httptools under the connection limits, a bounded backlog."""
     limits = connection_limits_from_env()
     return uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+                          # uvicorn calls `http` as a protocol factory; its annotation names a class only
                           http=guarded_protocol_factory(limits),  # type: ignore[arg-type]
                           backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_S,
                           ws="none")  # no websocket routes: an upgrade header is a plain request

@@ -189,7 +189,7 @@ class GraphReplica:
         if self.stage.replica_retired(self) and isinstance(error, StageUnavailable):
             error.retry_after = REPLACEMENT_RETRY_AFTER_S  # another replica serves, or a replacement comes
         for item in failed:
-            item.fail(error)  # type: ignore[arg-type]
+            item.fail(error)  # type: ignore[arg-type]  # error is None only when nothing failed
         self._ledger.quarantine(self.reservation)
         self.client.kill()
         verified = self.client.wait_exit(EXIT_VERIFY_TIMEOUT_S)

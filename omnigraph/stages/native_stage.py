@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
@@ -58,8 +58,8 @@ logger = logging.getLogger("omnigraph.stages")
 PROMPT_TOKEN_IDS = "prompt_token_ids"
 PROMPT_LENGTHS = "prompt_lengths"
 HIDDEN_STATES = "hidden_states"
-POOLING_TASK = "embed"
-POOLING_TYPE = "LAST"
+POOLING_TASK: Final = "embed"
+POOLING_TYPE: Final = "LAST"
 NATIVE_INPUT_SPECS = {
     PROMPT_TOKEN_IDS: InputSpec(PROMPT_TOKEN_IDS, np.dtype(np.int64), (None,)),
     PROMPT_LENGTHS: InputSpec(PROMPT_LENGTHS, np.dtype(np.int64), (None,)),
@@ -87,7 +87,7 @@ def engine_args(backend: NativeBackendConfig) -> Any:
     return AsyncEngineArgs(
         model=str(backend.model),
         dtype=backend.dtype,
-        max_model_len=backend.max_model_len,
+        max_model_len=backend.max_model_len,  # type: ignore[arg-type]  # None: vLLM's own default (the model's)
         runner="pooling",
         convert=POOLING_TASK,
         pooler_config=PoolerConfig(pooling_type=POOLING_TYPE, use_activation=False),
@@ -204,12 +204,16 @@ def check_engine_fits(engine: Any, backend: NativeBackendConfig, *, stage_id: in
                                + "; ".join(problems))
 
 
+def _int64_vector(tensors: Mapping[str, np.ndarray], name: str) -> np.ndarray:
+    array = tensors.get(name)
+    if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1:
+        raise HandoffInvalid(f"native stage input {name!r} must be an int64 array of rank 1")
+    return array
+
+
 def split_prompts(tensors: Mapping[str, np.ndarray], max_model_len: int) -> list[list[int]]:
     """The work item's prompts as token-id lists; refuses lengths that do not add up or exceed the engine."""
-    ids, lengths = tensors.get(PROMPT_TOKEN_IDS), tensors.get(PROMPT_LENGTHS)
-    for name, array in ((PROMPT_TOKEN_IDS, ids), (PROMPT_LENGTHS, lengths)):
-        if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1:
-            raise HandoffInvalid(f"native stage input {name!r} must be an int64 array of rank 1")
+    ids, lengths = _int64_vector(tensors, PROMPT_TOKEN_IDS), _int64_vector(tensors, PROMPT_LENGTHS)
     if lengths.size == 0 or lengths.min() < 1 or int(lengths.sum()) != ids.size:
         raise HandoffInvalid(f"prompt_lengths {lengths.tolist()} must be >= 1 and add up to the {ids.size} "
                              "prompt token ids")

@@ -93,7 +93,7 @@ class RequestState:
 
     def take_outputs(self) -> list[Mapping[str, np.ndarray]]:
         outputs, self._outputs = self._outputs, []
-        return outputs  # type: ignore[return-value]
+        return outputs  # type: ignore[return-value]  # no None left: every work item stored its outputs
 
     def hand_over(self) -> bool:
         """Call `on_ready` unless it was called already; False when the request has none (then

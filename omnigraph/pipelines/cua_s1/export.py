@@ -153,7 +153,7 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
         save_file(merged, str(backbone / WEIGHTS_FILE), metadata={"format": "pt"})
         (staging / PROMPT_TEMPLATE_FILE).write_text(template.to_json(), encoding="utf-8")
         onnx.save_model(head_graph(head), str(staging / GRAPH_FILE))
-        np.savez(staging / INPUTS_FILE, **example)
+        np.savez(staging / INPUTS_FILE, allow_pickle=False, **example)
         validation = validate_in_onnxruntime(
             staging / GRAPH_FILE, example, {OUTPUT_NAME: reference_letter_logits(example[INPUT_NAME], head)},
             HEAD_TOLERANCE, reference="numpy float64 hidden_states @ letter_rows.T", inputs_file=INPUTS_FILE)
@@ -222,6 +222,13 @@ def load_weights(base: Path) -> dict[str, np.ndarray]:
     return weights
 
 
+def _positive_number(adapter_config: dict[str, Any], key: str, where: Path) -> float:
+    value = adapter_config.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise CheckpointInvalid(f"{where}: {key} must be a positive number, got {value!r}")
+    return value
+
+
 def lora_scaling(adapter_config: dict[str, Any], where: Path) -> float:
     """PEFT's ``scaling``: ``lora_alpha / r``, or ``lora_alpha / sqrt(r)`` with rsLoRA; other
     adapter features this merge does not implement are refused."""
@@ -231,10 +238,7 @@ def lora_scaling(adapter_config: dict[str, Any], where: Path) -> float:
     for key in _ADAPTER_EMPTY:
         if adapter_config.get(key):
             raise CheckpointInvalid(f"{where}: {key} is not supported (must be empty)")
-    rank, alpha = adapter_config.get("r"), adapter_config.get("lora_alpha")
-    for key, value in (("r", rank), ("lora_alpha", alpha)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise CheckpointInvalid(f"{where}: {key} must be a positive number, got {value!r}")
+    rank, alpha = _positive_number(adapter_config, "r", where), _positive_number(adapter_config, "lora_alpha", where)
     return alpha / math.sqrt(rank) if adapter_config.get("use_rslora") else alpha / rank
 
 

@@ -42,7 +42,7 @@ DEFAULT_MODEL_NAME = "cua_s1"
 _LAYOUT_KEYS = ("backbone_dir", "max_model_len", "letter_token_ids", "prompt_template_file", "head_outputs")
 
 #: A real one-question request over a small accessibility tree.
-WARMUP_REQUEST = {
+WARMUP_REQUEST: dict[str, Any] = {
     "state": '- Edit "Email" value="" required=True\n- CheckBox "I agree to the terms" checked=False required=True\n'
              '- Button "Create account"',
     "questions": {"next": {"type": "choice", "instructions": "Create the account for jane@example.com.",

@@ -114,7 +114,7 @@ class LayaBatchAdapter:
             return dict(items[0])
         widths = {"length": max(item["input_ids"].shape[1] for item in items),
                   "markers": max(item["marker_pos"].shape[1] for item in items)}
-        packed = {}
+        packed: dict[str, np.ndarray] = {}
         for name, (dtype, fill, axis) in _PACKED_INPUTS.items():
             parts = [item[name] for item in items]
             if axis is not None:

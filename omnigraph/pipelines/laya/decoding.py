@@ -63,8 +63,9 @@ class Calibration:
         version = calibration.get("version", "")
         if not isinstance(version, str):
             raise ValueError(f"calibration version must be a string, got {version!r}")
+        choice, score, noul = (_clamped(t, f"temperature[{i}]") for i, t in enumerate(raw))
         return cls(
-            temperature=tuple(_clamped(t, f"temperature[{i}]") for i, t in enumerate(raw)),
+            temperature=(choice, score, noul),
             temperature_by_options={key: _clamped(t, f"temperature_by_options[{key!r}]")
                                     for key, t in by_options.items()},
             version=version,

@@ -142,7 +142,7 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
         else:
             fast_graph.export_fast_onnx(module, inputs, staging / GRAPH_FILE, activation=PRECISION_DTYPES[precision])
             custom_ops = fast_graph.bundle_ops_library(staging)
-        np.savez(staging / INPUTS_FILE, **inputs)
+        np.savez(staging / INPUTS_FILE, allow_pickle=False, **inputs)
         for member, source in COPIED_FILES.items():
             shutil.copyfile(checkpoint / source, staging / member)
         if custom_ops is None:
@@ -289,12 +289,12 @@ def example_inputs(tokenizer: Tokenizer, layout: dict[str, Any]) -> dict[str, np
         "marker_mask": np.zeros((batch, slots), dtype=bool),
         "qtype": np.zeros((batch,), dtype=np.int64),
     }
-    for row, (ids, markers, qtype) in enumerate(rows):
+    for row, (ids, markers, qtype_index) in enumerate(rows):
         inputs["input_ids"][row, :len(ids)] = ids
         inputs["attention_mask"][row, :len(ids)] = 1
         inputs["marker_pos"][row, :len(markers)] = markers
         inputs["marker_mask"][row, :len(markers)] = True
-        inputs["qtype"][row] = qtype
+        inputs["qtype"][row] = qtype_index
     return inputs
 
 

@@ -103,7 +103,8 @@ class EncoderConfig:
             every = int(raw.get("global_attn_every_n_layers", 3))
             layer_types = tuple(raw.get("layer_types") or (
                 GLOBAL if i % every == 0 else LOCAL for i in range(num_layers)))
-            rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+            rope_parameters = raw.get("rope_parameters")
+            rope = rope_parameters if isinstance(rope_parameters, dict) else {}
             return cls(
                 hidden_size=int(raw["hidden_size"]),
                 num_layers=num_layers,
@@ -197,9 +198,9 @@ class LocalWindows:
         length = torch.ones_like(key_visible[0], dtype=torch.int64).sum()  # L as a tensor, also when traced
         blocks = (length + block - 1) // block
         width = length.clamp(max=block + 2 * half_width)
-        first_key = (torch.arange(blocks) * block - half_width).clamp(min=0).minimum(length - width)
-        key_index = first_key[:, None] + torch.arange(width)[None, :]                    # (N, width)
-        query_pos = torch.arange(blocks * block).unflatten(0, (blocks, block))          # (N, block)
+        first_key = (_arange(blocks) * block - half_width).clamp(min=0).minimum(length - width)
+        key_index = first_key[:, None] + _arange(width)[None, :]                         # (N, width)
+        query_pos = _arange(blocks * block).unflatten(0, (blocks, block))               # (N, block)
         near = (key_index[:, None, :] - query_pos[:, :, None]).abs() <= half_width      # (N, block, width)
         visible = near & key_visible[:, key_index][:, :, None, :]                         # (B, N, block, width)
         return cls(key_index=key_index, bias=torch.where(visible, 0.0, _NEG)[:, None])
@@ -218,6 +219,12 @@ def windowed_attention(q: Tensor, k: Tensor, v: Tensor, windows: LocalWindows) -
 def rotate_half(x: Tensor) -> Tensor:
     """(x1, x2) -> (x2, x1) on the last dimension's halves; the sign lives in the sin table."""
     return x.unflatten(-1, (2, -1)).flip(-2).flatten(-2)
+
+
+def _arange(end: Tensor) -> Tensor:
+    """`torch.arange` up to a 0-d tensor, which keeps the length symbolic when traced (torch's stubs
+    only declare a number)."""
+    return torch.arange(end)  # type: ignore[call-overload]
 
 
 class BiasFreeLayerNorm(nn.Module):
@@ -327,9 +334,9 @@ class Encoder(nn.Module):
         }
         tables = {layer_type: self.rope_tables(positions, layer_type) for layer_type in (GLOBAL, LOCAL)}
         x = self.embeddings(input_ids)
-        for layer in self.layers:
-            cos, sin = tables[layer.layer_type]
-            x = layer(x, cos, sin, masks[layer.layer_type])
+        for layer, layer_type in zip(self.layers, self.config.layer_types):  # layer i is of layer_types[i]
+            cos, sin = tables[layer_type]
+            x = layer(x, cos, sin, masks[layer_type])
         return self.final_norm(x)
 
 

@@ -225,6 +225,7 @@ class _EncoderBuilder:
             q, k = (self.fused("RotaryEmbedding", [x, first_position, *rope[layer_type]], f"{scope}/rope_{part}",
                                num_heads=config.num_heads) for x, part in ((q, "q"), (k, "k")))
             if layer_type == LOCAL:
+                assert windows is not None  # built above, as LOCAL is among the layer types
                 context = self.windowed_attention(q, k, v, windows, scope, attention)
             else:
                 context = self.fused("MultiHeadAttention", [q, k, v, "", key_padding], f"{scope}/attention",

@@ -48,7 +48,7 @@ COMPONENT = "laya.decision"
 DEFAULT_MODEL_NAME = "laya"
 
 #: The Decision API's own example: a real one-question request that exercises every stage.
-WARMUP_REQUEST = {
+WARMUP_REQUEST: dict[str, Any] = {
     "state": "Please refund the duplicate charge.",
     "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}},
 }

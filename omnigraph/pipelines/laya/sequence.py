@@ -149,14 +149,14 @@ class LayaTokenizer:
         if self.truncation_side not in ("right", "left"):
             raise ValueError(f"{config_file}: truncation_side must be 'right' or 'left', "
                              f"got {self.truncation_side!r}")
-        ids = {}
+        ids, tokens = {}, {}
         for role in ("cls_token", "sep_token", "pad_token", "mask_token"):
             token = _token_content(config.get(role))
             token_id = self._tokenizer.token_to_id(token) if token else None
-            if token_id is None:
+            if token is None or token_id is None:
                 raise ValueError(f"{config_file}: {role} {token!r} is not in the vocabulary")
-            ids[role] = token_id
-        self.mask_token = _token_content(config.get("mask_token"))
+            ids[role], tokens[role] = token_id, token
+        self.mask_token = tokens["mask_token"]
         self.cls_id, self.sep_id = ids["cls_token"], ids["sep_token"]
         self.pad_id, self.mask_id = ids["pad_token"], ids["mask_token"]
         self._texts = _TokenMemo(_MEMO_ENTRIES, _MEMO_MAX_CHARS)
@@ -201,7 +201,7 @@ class LayaTokenizer:
             encoded = dict(zip(new, self._encode_each(new)))
             self._pieces.remember(encoded)
             found = [encoded[piece] if ids is None else ids for piece, ids in zip(pieces, found)]
-        return list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]
+        return list(itertools.chain.from_iterable(found))  # type: ignore[arg-type]  # no None left in found
 
     def _split_pieces(self, text: str) -> list[str] | None:
         """The text's pre-tokens where ``_ASCII_PIECE`` finds them exactly: ASCII text (whose
@@ -251,7 +251,7 @@ class LayaTokenizer:
         the rest in one tokenizer call."""
         found = self._texts.lookup(texts)
         if None not in found:
-            return found  # type: ignore[return-value]
+            return found  # type: ignore[return-value]  # None is not in found (a cast would cost a call)
         new = list(dict.fromkeys(text for text, ids in zip(texts, found) if ids is None))
         encoded = dict(zip(new, self._encode_each(new)))
         self._texts.remember(encoded)

@@ -41,7 +41,9 @@ class Calibration:
     @classmethod
     def from_metadata(cls, calibration: Mapping[str, Any]) -> Calibration:
         """Read a head bundle manifest's ``calibration`` entry."""
-        return cls(temperature=calibration.get("temperature"), version=calibration.get("version"))
+        temperature: Any = calibration.get("temperature")  # unchecked here: __post_init__ checks both
+        version: Any = calibration.get("version")
+        return cls(temperature=temperature, version=version)
 
 
 def question_probabilities(qtype: str, scores: np.ndarray, temperature: float) -> np.ndarray:

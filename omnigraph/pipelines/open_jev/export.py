@@ -105,7 +105,7 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
         for name in backbone_files:
             shutil.copyfile(checkpoint / BACKBONE_DIR / name, staging / BACKBONE_DIR / name)
         onnx.save_model(head_graph(head_w, b), str(staging / GRAPH_FILE))
-        np.savez(staging / INPUTS_FILE, **inputs)
+        np.savez(staging / INPUTS_FILE, allow_pickle=False, **inputs)
         (staging / PROMPT_TEMPLATE_FILE).write_text(template.to_json(), encoding="utf-8")
         validation = validate_in_onnxruntime(
             staging / GRAPH_FILE, inputs, {HEAD_OUTPUT: reference_scores(inputs[HEAD_INPUT], head_w, b)},

@@ -57,7 +57,7 @@ PROMPT_TEMPLATE_FILE = "prompt_template.json"
 DEFAULT_MODEL_NAME = "open_jev"
 
 #: A real request through every stage: a noul (one prompt) and a three-candidate choice.
-WARMUP_REQUEST = {
+WARMUP_REQUEST: dict[str, Any] = {
     "state": "Please refund the duplicate charge.",
     "questions": {
         "refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"},
@@ -100,7 +100,7 @@ def _question_texts(question: Question, raw: Mapping[str, Any]
     as ``parse_request`` renders them.
     """
     instructions = content_text(raw["instructions"])
-    criteria = raw.get("criteria")
+    criteria: Any = raw.get("criteria")  # parse_request has checked its shape for the question's type
     if question.qtype == "score":
         return instructions, tuple(content_text(level) for level in criteria), None
     if question.qtype == "choice":

@@ -38,9 +38,14 @@ DECIMALS = 4
 class AnsweredQuestion(Protocol):
     """What an answer needs of a validated question (``laya.request.Question`` has it)."""
 
-    qtype: str                 # "choice" | "score" | "noul"
-    keys: tuple[Any, ...]      # choice: the labels as given
-    legend: tuple[str, ...]    # score: the rendered level texts
+    @property
+    def qtype(self) -> str: ...               # "choice" | "score" | "noul"
+
+    @property
+    def keys(self) -> tuple[Any, ...]: ...    # choice: the labels as given
+
+    @property
+    def legend(self) -> tuple[str, ...]: ...  # score: the rendered level texts
 
 
 def softmax(z: np.ndarray) -> np.ndarray:

@@ -47,6 +47,13 @@ RMS_NORM_EPS = 1e-6
 ROPE_THETA = 1000000.0
 
 
+def _token_id(tokenizer: Tokenizer, token: str) -> int:
+    token_id = tokenizer.token_to_id(token)
+    if token_id is None:
+        raise ValueError(f"the tokenizer has no {token!r}")
+    return token_id
+
+
 def train_tokenizer(corpus: Sequence[str], *, seed: int) -> Tokenizer:
     """A byte-level BPE on `corpus` plus the built-in English corpus; specials after the merges."""
     tokenizer = Tokenizer(models.BPE(unk_token=None))
@@ -165,7 +172,7 @@ def synthesize_qwen3_backbone(out: Path, *, seed: int, hidden_size: int = 128, n
     if head_dim % 2:
         raise ValueError(f"head_dim {head_dim} must be even (rotary embedding pairs)")
     tokenizer = train_tokenizer(corpus, seed=seed)
-    special_ids = {token: tokenizer.token_to_id(token) for token in SPECIAL_TOKENS}
+    special_ids = {token: _token_id(tokenizer, token) for token in SPECIAL_TOKENS}
     vocab_size = -(-tokenizer.get_vocab_size() // VOCAB_ALIGNMENT) * VOCAB_ALIGNMENT
     dims = dict(vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
                 num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,

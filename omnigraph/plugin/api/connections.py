@@ -125,6 +125,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     # -- uvicorn's protocol hooks ------------------------------------------------------------------
 
+    # a stream server hands it an asyncio.Transport; asyncio.Protocol declares the wider BaseTransport
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._await_request()
@@ -169,6 +170,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         self._reading_body = True
         self._set_deadline(self._limits.body_timeout_s, self._body_timed_out)
         super().on_headers_complete()  # always starts a cycle: the server speaks no upgrades (ws="none")
+        # not an asyncio.Transport: a stand-in whose close() lingers while the body is unread
         self.cycle.transport = _CycleTransport(self)  # type: ignore[assignment]
 
     def on_body(self, body: bytes) -> None:

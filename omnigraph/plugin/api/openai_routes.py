@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -53,7 +54,7 @@ def _sse(chunk: ChatCompletionChunk) -> str:
 
 def _stream(completion: ChatCompletion, include_usage: bool) -> Iterator[str]:
     choice = completion.choices[0]
-    common = {"id": completion.id, "created": completion.created, "model": completion.model}
+    common: dict[str, Any] = {"id": completion.id, "created": completion.created, "model": completion.model}
     yield _sse(ChatCompletionChunk(**common, choices=[ChunkChoice(delta=Delta(role="assistant", content=""))]))
     yield _sse(ChatCompletionChunk(**common, choices=[ChunkChoice(delta=Delta(content=choice.message.content),
                                                                   logprobs=choice.logprobs)]))

@@ -26,7 +26,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from pydantic import ValidationError
 
@@ -123,9 +123,13 @@ def _noul(name: str, description: str | None) -> PropertyDecision:
     return PropertyDecision(name, "noul", question, (False, True))
 
 
+def _integer(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _score(param: str, name: str, prop: dict, description: str | None) -> PropertyDecision:
     low, high = prop.get("minimum"), prop.get("maximum")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)):
+    if not (_integer(low) and _integer(high)):
         raise _unsupported(param, f"{param}: an integer needs integer minimum and maximum to become a score "
                                   f"(unbounded integers have no fixed option set)")
     if high < low:
@@ -239,6 +243,7 @@ def conversation_state(messages: list[ChatMessage]) -> str:
 def openai_invalid(error: ApiError) -> ApiError:
     """A decision request the processor refused (422), as OpenAI reports it: 400 naming the chat field."""
     field = error.field or ""
+    param: str | None
     if field.startswith("questions."):
         name = field.split(".")[1]
         param = f"{SCHEMA_PARAM}.properties.{name}"

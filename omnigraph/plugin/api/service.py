@@ -190,11 +190,17 @@ class DecisionService:
             raise ApiError(503, "the pipeline is still starting", code="not_ready",
                            headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
 
+    @property
+    def _started_engine(self) -> DecisionEngine:
+        """The engine, which requests reach only once it started (`check_available`)."""
+        assert self.engine is not None, "the engine is used before it started"
+        return self.engine
+
     def hold(self, slots: int) -> Any:
         """Queue slots for `slots` requests admitted as a unit (a batch), released by the caller:
         503 with Retry-After when the queue cannot take them all now, 422 when it never could."""
         try:
-            return self.engine.hold(slots)
+            return self._started_engine.hold(slots)
         except ValueError as exc:
             raise ApiError(422, str(exc), code="invalid_request", field="states") from None
         except ResourceUnavailable as exc:
@@ -213,7 +219,8 @@ class DecisionService:
         try:
             async with asyncio.timeout(limit):
                 final = None
-                async for output in self.engine.generate(prompt, request_id=request_id, deadline_s=limit, hold=hold):
+                async for output in self._started_engine.generate(prompt, request_id=request_id, deadline_s=limit,
+                                                                  hold=hold):
                     if output.error is not None:
                         raise ApiError(500, f"request failed in stage {output.stage_id}: {output.error}",
                                        code="stage_error")
@@ -250,5 +257,5 @@ class DecisionService:
             raise ApiError(500, f"request failed: {type(exc).__name__}: {exc}", code="internal_error") from None
         finally:
             if not finished:
-                await self.engine.abort(request_id)
+                await self._started_engine.abort(request_id)
         return Decision(final.custom_output, final.stage_durations)
