@@ -30,8 +30,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -141,7 +142,7 @@ class WorkerClient:
                 process = subprocess.Popen(
                     command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                     env=env, start_new_session=True, close_fds=True,
-                    pass_fds=() if mailbox is None else (mailbox.fd,),
+                    pass_fds=() if mailbox is None or mailbox.fd is None else (mailbox.fd,),
                 )
             if mailbox is not None:
                 mailbox.close_fd()
@@ -283,7 +284,7 @@ class WorkerClient:
             try:
                 self._send("run", tensors=inputs, request_id=request_id, stage_id=stage_id, epoch=epoch,
                            binary=self._binary_header)
-            except socket.timeout:  # cut off mid-frame: the stream is lost
+            except TimeoutError:  # cut off mid-frame: the stream is lost
                 raise self._retire_silent("run", timeout) from None
             except (BrokenPipeError, ConnectionResetError):
                 raise self._died("run") from None
@@ -363,7 +364,7 @@ class WorkerClient:
             self._set_timeout(deadline)  # the send too is bounded by this call's deadline, and only by it
             self._send(msg_type, body=body)
             received = self._receive(deadline)
-        except socket.timeout:  # a send cut off mid-frame: the stream is lost
+        except TimeoutError:  # a send cut off mid-frame: the stream is lost
             raise self._retire_silent(msg_type, timeout) from None
         except (BrokenPipeError, ConnectionResetError):
             raise self._died(msg_type) from None
@@ -405,7 +406,7 @@ class WorkerClient:
             self._set_timeout(time.monotonic() + FRAME_READ_TIMEOUT_S)
             frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
             return frame, wire.read_payload(self._sock, frame)
-        except socket.timeout:
+        except TimeoutError:
             raise self._retire_silent("a message", FRAME_READ_TIMEOUT_S) from None
         except (wire.PeerClosed, wire.TruncatedFrame, BrokenPipeError, ConnectionResetError):
             raise self._died("a call") from None
@@ -513,20 +514,22 @@ def _log_tail(private_dir: Path) -> str:
     return f"; its log ends:\n{tail}" if tail else ""
 
 
-def _accept_worker(listener: socket.socket, process: subprocess.Popen, deadline: float, private_dir: Path) -> socket.socket:
+def _accept_worker(listener: socket.socket, process: subprocess.Popen, deadline: float,
+                   private_dir: Path) -> socket.socket:
     """Accept the worker's connection, checking the peer is the process we started."""
     listener.settimeout(0.05)
     while True:
         try:
             sock, _ = listener.accept()
             break
-        except socket.timeout:
+        except TimeoutError:
             if process.poll() is not None:
                 raise WorkerStartFailed(
                     f"worker exited with status {process.returncode} before connecting{_log_tail(private_dir)}"
                 ) from None
             if time.monotonic() > deadline:
-                raise WorkerStartFailed(f"worker {process.pid} did not connect in time{_log_tail(private_dir)}") from None
+                raise WorkerStartFailed(
+                    f"worker {process.pid} did not connect in time{_log_tail(private_dir)}") from None
     pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     if pid != process.pid:
         sock.close()
@@ -540,7 +543,7 @@ def _read_hello(sock: socket.socket, process: subprocess.Popen, generation: int,
     sock.settimeout(max(deadline - time.monotonic(), 1e-3))
     try:
         frame, _ = wire.recv_message(sock, max_payload_bytes=route.max_io_bytes)
-    except socket.timeout:
+    except TimeoutError:
         raise WorkerStartFailed(f"worker {process.pid} sent no hello in time{_log_tail(private_dir)}") from None
     except (wire.PeerClosed, wire.TruncatedFrame, ConnectionResetError):
         process.wait(DEATH_REAP_SECONDS)
@@ -557,7 +560,8 @@ def _read_hello(sock: socket.socket, process: subprocess.Popen, generation: int,
         raise WorkerStartFailed(f"worker's hello lacks {exc}") from None
     if hello.pid != process.pid or frame.generation != generation or frame.instance != hello.instance:
         raise WorkerStartFailed(
-            f"hello from pid {hello.pid} generation {frame.generation} does not match worker {process.pid} generation {generation}"
+            f"hello from pid {hello.pid} generation {frame.generation} does not match worker {process.pid} "
+            f"generation {generation}"
         )
     if hello.wire_version != wire.WIRE_VERSION:
         raise WorkerStartFailed(f"worker speaks wire version {hello.wire_version}, this controller {wire.WIRE_VERSION}")

@@ -57,7 +57,8 @@ import socket
 import struct
 import time
 import weakref
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from omnigraph.workers import procfs, wire
 

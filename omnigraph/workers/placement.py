@@ -10,8 +10,9 @@ counted (constant-folded or fused-away nodes are no longer nodes).
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from omnigraph.workers.errors import PlacementRefused
 from omnigraph.workers.reports import PlacementReport
@@ -85,6 +86,7 @@ def check_placement(
 
 
 def _describe(nodes: Mapping[str, str], report: PlacementReport, limit: int = 20) -> str:
-    items = [f"{name} ({report.node_ops.get(name, '?')} on {provider})" for name, provider in list(nodes.items())[:limit]]
+    items = [f"{name} ({report.node_ops.get(name, '?')} on {provider})"
+             for name, provider in list(nodes.items())[:limit]]
     more = len(nodes) - len(items)
     return ", ".join(items) + (f" and {more} more" if more > 0 else "")

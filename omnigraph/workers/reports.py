@@ -4,8 +4,9 @@ placement report in it (where ONNX Runtime really ran each node; placement.py re
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 SOURCE_PROFILE = "ort_profile"
 SOURCE_UNAVAILABLE = "unavailable"

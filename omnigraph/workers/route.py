@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from omnigraph.workers.mailbox import MAX_AREA_BYTES, MIN_AREA_BYTES
 from omnigraph.workers.wire import SPIN_WAIT_US
@@ -109,7 +110,8 @@ class WorkerRoute:
         if not all(isinstance(p, str) and p.endswith("ExecutionProvider") for p in allowed):
             raise RouteInvalid(f"route {self.name!r}: allowed_providers must be ORT provider names, got {allowed}")
         if self.target_provider not in allowed:
-            raise RouteInvalid(f"route {self.name!r}: allowed_providers {allowed} lacks the target {self.target_provider}")
+            raise RouteInvalid(f"route {self.name!r}: allowed_providers {allowed} lacks the target "
+                               f"{self.target_provider}")
         if isinstance(self.min_fraction_on_target, bool) or not isinstance(self.min_fraction_on_target, (int, float)) \
                 or not 0.0 <= self.min_fraction_on_target <= 1.0:
             raise RouteInvalid(f"route {self.name!r}: min_fraction_on_target must be in [0, 1]")
@@ -124,7 +126,8 @@ class WorkerRoute:
         if type(self.cuda_graph_max_rows) is not int or self.cuda_graph_max_rows < 1:
             raise RouteInvalid(f"route {self.name!r}: cuda_graph_max_rows must be an integer >= 1")
         if type(self.max_cuda_graphs) is not int or not 1 <= self.max_cuda_graphs <= MAX_CUDA_GRAPHS_LIMIT:
-            raise RouteInvalid(f"route {self.name!r}: max_cuda_graphs must be an integer in [1, {MAX_CUDA_GRAPHS_LIMIT}]")
+            raise RouteInvalid(f"route {self.name!r}: max_cuda_graphs must be an integer in "
+                               f"[1, {MAX_CUDA_GRAPHS_LIMIT}]")
         if self.gpu_mem_limit is not None:
             if type(self.gpu_mem_limit) is not int or self.gpu_mem_limit <= 0:
                 raise RouteInvalid(f"route {self.name!r}: gpu_mem_limit must be a positive integer (bytes)")

@@ -11,9 +11,10 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Mapping, NoReturn, Sequence
+from typing import NoReturn
 
 import numpy as np
 import onnxruntime as ort
@@ -85,12 +86,14 @@ class GraphSession:
         self.outputs = tuple(TensorSpec(o.name, o.type, tuple(o.shape)) for o in session.get_outputs())
         for spec in self.inputs + self.outputs:
             if spec.onnx_type not in ONNX_TO_WIRE:
-                raise LoadRefused("load_failed", f"graph tensor {spec.name!r} has type {spec.onnx_type}, which the wire does not carry")
+                raise LoadRefused("load_failed", f"graph tensor {spec.name!r} has type {spec.onnx_type}, "
+                                                 "which the wire does not carry")
         for spec in self.outputs:
             if spec.onnx_type == "tensor(bfloat16)":
                 raise LoadRefused(
                     "load_failed",
-                    f"graph output {spec.name!r} is bfloat16, which onnxruntime's Python binding cannot return; cast it to float in the graph",
+                    f"graph output {spec.name!r} is bfloat16, which onnxruntime's Python binding cannot return; "
+                    "cast it to float in the graph",
                 )
         self._input_wire = {spec.name: ONNX_TO_WIRE[spec.onnx_type] for spec in self.inputs}
         # (name, wire dtype, declared shape) per input: what check_inputs walks for a new descriptor tuple
@@ -123,22 +126,26 @@ class GraphSession:
         if described.keys() != declared.keys():
             missing = sorted(declared.keys() - described.keys())
             unexpected = sorted(described.keys() - declared.keys())
-            raise RemoteError("input_name_mismatch", f"missing inputs {missing}, unexpected inputs {unexpected}; the graph takes {sorted(declared)}")
+            raise RemoteError("input_name_mismatch", f"missing inputs {missing}, unexpected inputs {unexpected}; "
+                                                     f"the graph takes {sorted(declared)}")
         for name, wire_dtype, declared_shape in self._input_checks:
             dtype, shape = described[name].dtype, described[name].shape
             if dtype != wire_dtype:
                 raise RemoteError("input_dtype_mismatch", f"input {name!r} is {dtype}, the graph declares {wire_dtype}")
             if len(shape) != len(declared_shape):
-                raise RemoteError("input_rank_mismatch", f"input {name!r} has rank {len(shape)} (shape {list(shape)}), the graph declares rank {len(declared_shape)}")
+                raise RemoteError("input_rank_mismatch", f"input {name!r} has rank {len(shape)} (shape {list(shape)}), "
+                                                         f"the graph declares rank {len(declared_shape)}")
             for axis, (got, want) in enumerate(zip(shape, declared_shape)):
                 if got != want and isinstance(want, int):
-                    raise RemoteError("input_shape_mismatch", f"input {name!r} dim {axis} is {got}, the graph declares {want} (shape {list(declared_shape)})")
+                    raise RemoteError("input_shape_mismatch", f"input {name!r} dim {axis} is {got}, the graph declares "
+                                                              f"{want} (shape {list(declared_shape)})")
         self._accepted = tuple(descriptors)
 
     def run(self, arrays: Mapping[str, np.ndarray], descriptors: Sequence[TensorDescriptor]) -> dict[str, np.ndarray]:
         """Check the inputs, run, and return host arrays by output name. ``descriptors`` describe
         ``arrays`` (the frame's tensors, or ``describe(arrays)``)."""
         self.check_inputs(descriptors)
+        feed: Mapping[str, np.ndarray | ort.OrtValue]
         if self._bfloat16_inputs:
             feed = {name: self._ort_input(arrays[name], dtype) for name, dtype in self._input_wire.items()}
         else:  # the checked arrays are the feed as they are
@@ -191,7 +198,8 @@ class GraphSession:
         options = ort.RunOptions()
         if slot is None:  # too many rows, or more shapes than graphs: run this one uncaptured
             options.add_run_config_entry(GPU_GRAPH_ID, "-1")
-            return self._run_io_binding({name: np.ascontiguousarray(arrays[name]) for name in self._input_wire}, options)
+            return self._run_io_binding({name: np.ascontiguousarray(arrays[name]) for name in self._input_wire},
+                                        options)
         for name, view in slot.input_views:
             view[:] = np.ascontiguousarray(arrays[name]).reshape(-1).view(np.uint8)
         slot.device_inputs.update_inplace(slot.staging)
@@ -226,7 +234,8 @@ class GraphSession:
     def _bind_packed_outputs(self, slot: _CudaGraphSlot, produced: list[np.ndarray]) -> None:
         """Bind every output of the slot's shape inside one device buffer (what the graph will write)."""
         offsets, total = _packed_offsets([array.nbytes for array in produced])
-        slot.device_outputs = ort.OrtValue.ortvalue_from_shape_and_type([total], np.uint8, "cuda", self._route.device_id)
+        slot.device_outputs = ort.OrtValue.ortvalue_from_shape_and_type([total], np.uint8, "cuda",
+                                                                        self._route.device_id)
         for name, array, offset in zip(self._output_names, produced, offsets):
             slot.binding.bind_output(name, "cuda", self._route.device_id, array.dtype.type, list(array.shape),
                                      slot.device_outputs.data_ptr() + offset)
@@ -238,7 +247,8 @@ class GraphSession:
 # Loading
 
 
-def _session_options(loaded: LoadedBundle, route: WorkerRoute, profile_prefix: str | None, *, disable_cpu_fallback: bool) -> ort.SessionOptions:
+def _session_options(loaded: LoadedBundle, route: WorkerRoute, profile_prefix: str | None, *,
+                     disable_cpu_fallback: bool) -> ort.SessionOptions:
     """Options whose external initializers are the verified bytes (ORT copies them while it builds
     the session; the options keep pointers into `loaded`, so they must not outlive it)."""
     options = ort.SessionOptions()
@@ -274,7 +284,8 @@ def _private_file(content: bytes) -> Iterator[str]:
         os.close(fd)
 
 
-def _create_session(loaded: LoadedBundle, route: WorkerRoute, profile_prefix: str | None, *, disable_cpu_fallback: bool, notes: list[str]) -> ort.InferenceSession:
+def _create_session(loaded: LoadedBundle, route: WorkerRoute, profile_prefix: str | None, *,
+                    disable_cpu_fallback: bool, notes: list[str]) -> ort.InferenceSession:
     """A session built from the verified bytes in `loaded`, never from the files by path: a file
     changed after verification cannot be what runs."""
     options = _session_options(loaded, route, profile_prefix, disable_cpu_fallback=disable_cpu_fallback)
@@ -315,7 +326,8 @@ def _run_example(graph: GraphSession, example: dict[str, np.ndarray]) -> None:
     graph.run(example, describe(example))
 
 
-def _warmup_placement(session: ort.InferenceSession, graph: GraphSession, example: dict[str, np.ndarray] | None, target: str) -> PlacementReport:
+def _warmup_placement(session: ort.InferenceSession, graph: GraphSession, example: dict[str, np.ndarray] | None,
+                      target: str) -> PlacementReport:
     """Run the example inputs once under the profiler; the profile file is deleted afterwards."""
     try:
         if example is not None:
@@ -392,9 +404,11 @@ def load_session(manifest_path: str, route: WorkerRoute) -> tuple[GraphSession, 
     return graph, report
 
 
-def _refuse_cpu_fallback(loaded: LoadedBundle, route: WorkerRoute, prefix: str, example: dict[str, np.ndarray] | None, ort_message: str) -> NoReturn:
+def _refuse_cpu_fallback(loaded: LoadedBundle, route: WorkerRoute, prefix: str, example: dict[str, np.ndarray] | None,
+                         ort_message: str) -> NoReturn:
     """ORT refused to build the session because nodes would fall back to CPU: find and name them."""
     diagnostic = _create_session(loaded, route, prefix + "-diagnostic", disable_cpu_fallback=False, notes=[])
     placement = _warmup_placement(diagnostic, GraphSession(diagnostic, route), example, route.target_provider)
     check_placement(placement, route.allowed_providers, route.min_fraction_on_target)
-    raise PlacementRefused("placement_refused", f"{ort_message} (the diagnostic run placed no node outside {list(route.allowed_providers)})", placement)
+    raise PlacementRefused("placement_refused", f"{ort_message} (the diagnostic run placed no node outside "
+                                                f"{list(route.allowed_providers)})", placement)

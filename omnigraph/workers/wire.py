@@ -109,8 +109,9 @@ import socket
 import struct
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -466,7 +467,8 @@ def _json_header(opening: str, request_id: str, stage_id: int, epoch: int, gener
     """The header's JSON, written field by field in the order and the compact form of
     json.dumps(header, separators=(",", ":")): no dict to build, no encoder to walk it."""
     descriptors = ",".join(
-        f'{{"name":{_json_string(name)},"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],"nbytes":{nbytes},"offset":{offset}}}'
+        f'{{"name":{_json_string(name)},"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],'
+        f'"nbytes":{nbytes},"offset":{offset}}}'
         for name, dtype, shape, nbytes, offset in entries
     )
     return (
@@ -521,6 +523,7 @@ def _arrays_and_layout(tensors: Mapping[str, Any]) -> tuple[Mapping[str, np.ndar
     if layout is None:
         tensors = {name: np.asarray(value) for name, value in tensors.items()}
         layout = _binary_layout(tensors)
+        assert layout is not None  # every value is an ndarray now
     return tensors, layout
 
 
@@ -576,7 +579,8 @@ def _encode_binary(msg_type: str, request_id: str, stage_id: int, epoch: int, ge
 
 
 def write_binary_frame(area: mmap.mmap, msg_type: str, *, request_id: str, stage_id: int, epoch: int,
-                       generation: int, instance: str, tensors: Mapping[str, Any], max_payload_bytes: int) -> int | None:
+                       generation: int, instance: str, tensors: Mapping[str, Any],
+                       max_payload_bytes: int) -> int | None:
     """Write a binary-header ``run`` / ``result`` frame into ``area`` (a shared mapping: its slice
     assignment takes an array's memory as it is), byte for byte as send_frame would send it; its
     length, or None when it does not fit (send it through the socket). Refuses what send_frame
@@ -593,7 +597,9 @@ def write_binary_frame(area: mmap.mmap, msg_type: str, *, request_id: str, stage
         return None
     area[:offset] = head
     for array, extent in zip(tensors.values(), layout.extents):
-        area[offset:offset + array.nbytes] = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+        # numpy's stubs declare an ndarray's buffer protocol (__buffer__) only from Python 3.12 on
+        area[offset:offset + array.nbytes] = (  # type: ignore[call-overload]
+            array if array.flags.c_contiguous else np.ascontiguousarray(array))
         offset += extent
     return end
 
@@ -614,14 +620,15 @@ def read_binary_frame(area: mmap.mmap, length: int, *, max_payload_bytes: int,
     if start + payload_len != length:
         raise ByteLengthMismatch(f"a frame of {start + payload_len} bytes announced as {length}")
     frame = _parse_binary_header(area[PREFIX_BYTES:start], payload_len, max_payload_bytes, 0)
+    buffer: bytearray | mmap.mmap
     if copy:  # the payload alone, in the reader's own buffer
         buffer, payload_offset = bytearray(memoryview(area)[start:length]), 0
     else:
         buffer, payload_offset = area, start
     arrays = {}  # a loop, not a comprehension: one frame fewer per message before Python 3.12
-    for desc in frame.tensors:
+    for desc in frame.tensors:  # a binary frame's tensors are all inline: each has an offset
         arrays[desc.name] = np.ndarray(desc.shape, WIRE_DTYPES[desc.dtype], buffer=buffer,
-                                       offset=payload_offset + desc.offset)
+                                       offset=payload_offset + desc.offset)  # type: ignore[operator]
     return frame, arrays
 
 
@@ -807,7 +814,8 @@ def _check_shape_and_nbytes(name: str, dtype: str, shape: tuple[Any, ...], nbyte
             raise BadShape(_bad_dim(name, dim))
     expected = _prod(shape) * WIRE_DTYPES[dtype].itemsize
     if type(nbytes) is not int or nbytes != expected:
-        raise ByteLengthMismatch(f"tensor {name!r}: nbytes {nbytes!r} but shape {list(shape)} of {dtype} is {expected} bytes")
+        raise ByteLengthMismatch(f"tensor {name!r}: nbytes {nbytes!r} but shape {list(shape)} of {dtype} is "
+                                 f"{expected} bytes")
 
 
 def _binary_text(header: bytes, start: int, length: int, what: str) -> str:
@@ -824,7 +832,8 @@ def _parse_binary_header(header: bytes | bytearray, payload_len: int, max_payloa
     """Validate a binary header (layout in the module docstring), like _parse_header does a JSON one."""
     try:
         if fd_count:
-            raise BadShmReference(f"{fd_count} descriptors came with a binary-header frame, which carries tensors inline only")
+            raise BadShmReference(f"{fd_count} descriptors came with a binary-header frame, which carries tensors "
+                                  "inline only")
         header = bytes(header)  # a bytearray off the socket: its slices must hash
         type_code, count, id_length, instance_length, stage_id, epoch, generation = _BINARY_FIXED.unpack_from(header)
         if not 1 <= type_code <= len(BINARY_MESSAGE_TYPES):
@@ -839,7 +848,8 @@ def _parse_binary_header(header: bytes | bytearray, payload_len: int, max_payloa
             _checked_tails[tail] = checked
         instance, tensors, inline_total = checked
         if inline_total != payload_len:
-            raise ByteLengthMismatch(f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)")
+            raise ByteLengthMismatch(f"payload is {payload_len} bytes but the inline tensors take {inline_total} "
+                                     "(64-byte aligned)")
         if stage_id > MAX_INT or epoch > MAX_INT or generation > MAX_INT:  # unsigned: only the top can be out
             _check_ids(stage_id, epoch, generation)
     except WireError as exc:
@@ -847,8 +857,8 @@ def _parse_binary_header(header: bytes | bytearray, payload_len: int, max_payloa
         raise
     except (struct.error, UnicodeDecodeError) as exc:
         raise MalformedHeader(f"binary header unreadable: {exc}", pending_payload_bytes=payload_len) from None
-    return Frame(BINARY_MESSAGE_TYPES[type_code - 1], request_id, stage_id, epoch, generation, instance, (), tensors, {},
-                 payload_len, (), True)
+    return Frame(BINARY_MESSAGE_TYPES[type_code - 1], request_id, stage_id, epoch, generation, instance, (), tensors,
+                 {}, payload_len, (), True)
 
 
 # Why: what follows the request id in a binary header (the instance, then the tensor section)
@@ -859,14 +869,16 @@ _CHECKED_TAILS_MAX = 256
 _checked_tails: dict[tuple[bytes, int, int, int], tuple[str, tuple[TensorDescriptor, ...], int]] = {}
 
 
-def _checked_tail(tail: bytes, count: int, instance_length: int, max_payload_bytes: int) -> tuple[str, tuple[TensorDescriptor, ...], int]:
+def _checked_tail(tail: bytes, count: int, instance_length: int,
+                  max_payload_bytes: int) -> tuple[str, tuple[TensorDescriptor, ...], int]:
     """The instance, the tensor descriptors and the payload bytes they take, read from the part of a
     binary header after its request id."""
     instance = _binary_text(tail, 0, instance_length, "instance")
     return (instance, *_checked_tensor_section(tail[instance_length:], count, max_payload_bytes))
 
 
-def _checked_tensor_section(section: bytes, count: int, max_payload_bytes: int) -> tuple[tuple[TensorDescriptor, ...], int]:
+def _checked_tensor_section(section: bytes, count: int,
+                            max_payload_bytes: int) -> tuple[tuple[TensorDescriptor, ...], int]:
     """The descriptors of a binary header's tensor section and the payload bytes they take."""
     if count > MAX_TENSORS:
         raise TooManyTensors(f"{count} tensors, at most {MAX_TENSORS}")
@@ -935,7 +947,8 @@ def _validate_descriptors(
             extents.append((offset, end, name))
         else:
             if type(fd) is not int or not 0 <= fd < fd_count:
-                raise BadShmReference(f"tensor {name!r}: fd index {fd!r} but {fd_count} descriptors came with the frame")
+                raise BadShmReference(f"tensor {name!r}: fd index {fd!r} but {fd_count} descriptors came with "
+                                      "the frame")
             if fd in fds_used:
                 raise BadShmReference(f"tensor {name!r}: fd index {fd} is used twice")
             if nbytes == 0:
@@ -1004,7 +1017,7 @@ def read_frame(sock: socket.socket, *, max_payload_bytes: int) -> Frame:
     prefix, fds = _recv_prefix(sock)
     try:
         magic, header_len, payload_len = _checked_prefix(prefix, max_payload_bytes)
-        header_bytes = sock.recv(header_len)  # the length is capped above
+        header_bytes: bytes | bytearray = sock.recv(header_len)  # the length is capped above
         if len(header_bytes) != header_len:  # a long header may arrive in pieces
             buffer = bytearray(header_len)
             buffer[: len(header_bytes)] = header_bytes
@@ -1035,15 +1048,17 @@ def read_payload(sock: socket.socket, frame: Frame) -> dict[str, np.ndarray]:
         return {}
     try:
         payload = np.empty(frame.payload_nbytes, np.uint8)  # numpy's allocator: 16-byte aligned
-        _recv_exact_into(sock, memoryview(payload))
+        _recv_exact_into(sock, memoryview(payload))  # type: ignore[arg-type]  # numpy: __buffer__ only from 3.12
         arrays: dict[str, np.ndarray] = {}
         for desc in frame.tensors:
             dtype = WIRE_DTYPES[desc.dtype]
             if desc.fd is not None:
-                mapping = mmap.mmap(frame.fds[desc.fd], desc.nbytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                mapping = mmap.mmap(frame.fds[desc.fd], desc.nbytes, flags=_MAP_FLAGS,
+                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
                 arrays[desc.name] = np.ndarray(desc.shape, dtype, buffer=mapping)
             else:
-                arrays[desc.name] = np.ndarray(desc.shape, dtype, buffer=payload, offset=desc.offset)
+                # an inline tensor has an offset (only a shared-memory one has none)
+                arrays[desc.name] = np.ndarray(desc.shape, dtype, buffer=payload, offset=desc.offset)  # type: ignore[arg-type]
         return arrays
     finally:
         close_frame(frame)

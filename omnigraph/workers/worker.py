@@ -27,7 +27,8 @@ import platform
 import secrets
 import socket
 import sys
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -61,7 +62,8 @@ def _device_memory(device_id: int) -> dict[str, int] | None:
 class GraphWorker:
     """Serves one controller connection."""
 
-    def __init__(self, sock: socket.socket, route: WorkerRoute, generation: int, mailbox: Mailbox | None = None) -> None:
+    def __init__(self, sock: socket.socket, route: WorkerRoute, generation: int,
+                 mailbox: Mailbox | None = None) -> None:
         self._sock = sock
         self._mailbox = mailbox
         self._announcing = False  # after the hello, with a mailbox: every message rings the doorbell
@@ -162,9 +164,11 @@ class GraphWorker:
 
     def _check_fresh(self, frame: wire.Frame) -> None:
         if frame.generation != self._generation:
-            raise wire.StaleGeneration(f"message for generation {frame.generation}, this worker is generation {self._generation}")
+            raise wire.StaleGeneration(f"message for generation {frame.generation}, this worker is generation "
+                                       f"{self._generation}")
         if frame.instance != self._instance:
-            raise wire.StaleInstance(f"message for instance {frame.instance!r}, this worker process is {self._instance!r}")
+            raise wire.StaleInstance(f"message for instance {frame.instance!r}, this worker process is "
+                                     f"{self._instance!r}")
         if frame.epoch < self._max_epoch:
             raise wire.StaleEpoch(f"message epoch {frame.epoch} is below the fenced epoch {self._max_epoch}")
         self._max_epoch = frame.epoch
@@ -229,7 +233,8 @@ class GraphWorker:
         if answering is None:
             request_id, stage_id, epoch, binary = "", 0, 0, False
         else:
-            request_id, stage_id, epoch, binary = answering.request_id, answering.stage_id, answering.epoch, answering.binary
+            request_id, stage_id, epoch = answering.request_id, answering.stage_id, answering.epoch
+            binary = answering.binary
         send_message(
             self._sock, self._mailbox if self._announcing else None, msg_type, request_id=request_id,
             stage_id=stage_id, epoch=epoch, generation=self._generation, instance=self._instance, body=body,
@@ -242,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--connect", required=True, help="the controller's Unix socket path")
     parser.add_argument("--generation", required=True, type=int, help="the worker generation the controller assigned")
     parser.add_argument("--route", required=True, help="the WorkerRoute as JSON")
-    parser.add_argument("--mailbox-fd", type=int, help="an inherited descriptor of the controller's mailbox (mailbox.py)")
+    parser.add_argument("--mailbox-fd", type=int,
+                        help="an inherited descriptor of the controller's mailbox (mailbox.py)")
     args = parser.parse_args(argv)
     route = WorkerRoute.from_json(args.route)
     mailbox = None

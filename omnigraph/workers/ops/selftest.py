@@ -98,7 +98,8 @@ def check_case(
         "nodes": len(placement.node_providers),
         "nodes_off_cuda": off_cuda,
         "cuda_graph_max_abs_diff": graph_mismatch,
-        "ok": max(errors) <= _TOLERANCE[dtype] and not off_cuda and len(placement.node_providers) > 0 and graph_mismatch == 0.0,
+        "ok": (max(errors) <= _TOLERANCE[dtype] and not off_cuda and len(placement.node_providers) > 0
+               and graph_mismatch == 0.0),
     }
 
 
@@ -152,13 +153,16 @@ def _timing_models(length: int, copies: int, dtype: str) -> dict[str, tuple[onnx
     t = _ONNX_TYPE[dtype]
     models = {}
     for window in (0, 64):
+        def attention(i: int, w: int = window) -> onnx.NodeProto:
+            return helper.make_node(
+                "ModernBertAttention", ["qkv", "key_mask"], [f"context{i}"], name=f"attention{i}",
+                domain=graphs.DOMAIN,
+                num_heads=heads, window=w, rope_theta=160000.0 if w == 0 else 10000.0,
+            )
+
         models[f"attention_L{length}_w{window}"] = (
             _replicated(
-                lambda i, w=window: helper.make_node(
-                    "ModernBertAttention", ["qkv", "key_mask"], [f"context{i}"], name=f"attention{i}",
-                    domain=graphs.DOMAIN,
-                    num_heads=heads, window=w, rope_theta=160000.0 if w == 0 else 10000.0,
-                ),  # fmt: skip
+                attention,
                 [
                     helper.make_tensor_value_info("qkv", t, [1, length, 3 * d]),
                     helper.make_tensor_value_info("key_mask", TensorProto.INT64, [1, length]),
@@ -246,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch  # loads the CUDA libraries onnxruntime-gpu needs
-
+    # isort: split
     import onnxruntime as ort
 
     if args.library:
@@ -260,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
         "onnxruntime": ort.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(["python -m omnigraph.workers.ops.selftest", *(sys.argv[1:] if argv is None else argv)]),
         "library_sha256": sha256_file(library),  # which kernels these rows measure
     }
@@ -286,8 +290,10 @@ def main(argv: list[str] | None = None) -> int:
             per_kernel = (many - single) / (args.copies - 1)
             for metric, value in (("graph_replay", single), ("kernel", per_kernel)):
                 rows.append({"case": f"{case}_{dtype}", "metric": metric, "value": round(value * 1e6, 2),
-                             "unit": "us", "copies": args.copies, "iterations": args.iterations, **identity})  # fmt: skip
-            print(f"{case:<28} {dtype:<9} replay {single * 1e6:8.1f} us  kernel {per_kernel * 1e6:8.1f} us", flush=True)
+                             "unit": "us", "copies": args.copies, "iterations": args.iterations,
+                             **identity})
+            print(f"{case:<28} {dtype:<9} replay {single * 1e6:8.1f} us  kernel {per_kernel * 1e6:8.1f} us",
+                  flush=True)
     Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
     print(f"{failures} failing checks; rows written to {args.json}")
     return 1 if failures else 0
