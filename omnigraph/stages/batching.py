@@ -270,6 +270,11 @@ class StageQueue:
             self._entries.append(STOP)
             self._ready.notify_all()
 
+    def wake_all(self) -> None:
+        """Wake every waiting replica to check its `stop_when` (a replica retired while idle)."""
+        with self._ready:
+            self._ready.notify_all()
+
     def drain(self) -> list[Any]:
         """Remove and return every queued work item (shutdown markers stay)."""
         with self._ready:
@@ -277,10 +282,13 @@ class StageQueue:
             self._entries = deque(entry for entry in self._entries if entry is STOP)
             return items
 
-    def take(self) -> list[Queued] | Stop:
-        """Block for the oldest entry: `STOP`, or the entries of one call led by it."""
+    def take(self, stop_when: Callable[[], bool] = lambda: False) -> list[Queued] | Stop:
+        """Block for the oldest entry: `STOP`, or the entries of one call led by it. Also `STOP`
+        once `stop_when()` holds while nothing is queued: it is checked again at every `wake_all`."""
         with self._ready:
             while not self._entries:
+                if stop_when():
+                    return STOP
                 self._ready.wait()
             first = self._entries.popleft()
             if first is STOP:

@@ -182,8 +182,12 @@ class GraphReplica:
             if self.retired_reason is not None or self._current:
                 return False
             self.retired_reason = reason
+        self.stage.queue.wake_all()  # this replica's thread waits for work: it stops instead
         self._settle_retirement((), None)
         return True
+
+    def _retired(self) -> bool:
+        return self.retired_reason is not None
 
     def _settle_retirement(self, failed: Sequence[WorkItem], error: BaseException | None) -> None:
         if self.stage.replica_retired(self) and isinstance(error, StageUnavailable):
@@ -220,7 +224,7 @@ class GraphReplica:
 
     def _serve(self) -> None:
         while True:
-            batch = self.stage.queue.take()
+            batch = self.stage.queue.take(stop_when=self._retired)
             if batch is STOP:
                 return
             self.stage.batch_stats.record_waits([entry.waited_s for entry in batch])

@@ -3,6 +3,7 @@
 import asyncio
 import os
 import signal
+import threading
 
 import numpy as np
 import pytest
@@ -114,3 +115,20 @@ def test_the_restart_budget_is_a_sliding_window():
     assert budget.spend(now=100) and budget.backoff() == 1  # a start resets the ladder
     with pytest.raises(ValueError):
         RestartBudget(-1, 10)
+
+
+def test_workers_killed_while_idle_leave_no_replica_thread_behind(make_plan, os_processes, engine):
+    """Each worker that dies between calls is replaced, and the thread that fed it stops with it
+    (it waited for work: a stale one would take work, or a shutdown marker, from the live one)."""
+    def replica_threads() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("omnigraph-stage0-replica"))
+
+    with Omni(deploy_config=make_plan("affine")) as omni:
+        for generation in (2, 3, 4):
+            (replica,) = engine.replicas(omni)
+            os.kill(replica["pid"], signal.SIGKILL)
+            asyncio.run(engine.until_serving(omni, generation))
+            asyncio.run(engine.until(lambda: len(replica_threads()) == 1, "the dead replica's thread stops"))
+        assert omni.generate(SMALL)[0].custom_output["y"].shape == (4, 4)
+    assert replica_threads() == []
+    assert os_processes.children() == set()
