@@ -73,6 +73,7 @@ MID_CALL_HANGUP_S = (0.002, 0.5)  # how long a mid-call hang-up waits for its an
 MID_BODY_HANGUP_S = (0.0, 0.05)    # how long a mid-body hang-up holds its half body before closing
 LONG_QUESTIONS = 16                 # every eighth request of the set has 16-32 questions
 SETTLE_S = 3.0                      # after the load, before the end sample: let replacements start
+RECOVERY_POLL_S = 0.5               # how often /health is asked while waiting for recovery after the load
 
 REPLICA_PLAN = """\
 pipeline: laya
@@ -542,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client-timeout", type=float, default=60.0,
                         help="seconds a client waits for an answer before it counts the request lost")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--recovery-timeout", type=float, default=0.0,
+                        help="after the load, wait up to this long for /health 200 (a crash loop backs off)")
     parser.add_argument("--keep-log", action="store_true", help="keep the server's log even if all went well")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
     args = parser.parse_args(argv)
@@ -591,9 +594,16 @@ def main(argv: list[str] | None = None) -> int:
         health_end = ready_end = -1  # -1: no answer (the server is gone)
         good_after = 0
         metrics = ""
+        healthy_after_s = -1.0  # -1: not healthy within --recovery-timeout
         try:
             with httpx.Client(base_url=server.base, timeout=args.client_timeout) as http:
+                settled = time.monotonic()
                 health_end = http.get("/health").status_code
+                while health_end != 200 and time.monotonic() - settled < args.recovery_timeout:
+                    time.sleep(RECOVERY_POLL_S)
+                    health_end = http.get("/health").status_code
+                if health_end == 200:
+                    healthy_after_s = round(time.monotonic() - settled, 1)
                 ready_end = http.get("/ready").status_code
                 after = http.post(ROUTE, content=with_nonce(requests[0], "after"),
                                   headers={"content-type": "application/json"})
@@ -633,6 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             ("faults", "workers_replaced", len(tally.workers_seen) - workers_start, "count"),
             *[("faults", f"polls_{code}", n, "count") for code, n in sorted(tally.health.items())],
             ("after", "health_status", health_end, "http"),
+            ("after", "seconds_to_healthy", healthy_after_s, "s"),
             ("after", "ready_status", ready_end, "http"),
             ("after", "good_request_answered", good_after, "bool"),
             ("after", "metrics_client_disconnects", _metrics_value(metrics, "omnigraph_client_disconnects_total"),
