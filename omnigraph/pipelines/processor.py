@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from omnigraph.bundles import VerifiedBundle
+    pass
 
 __all__ = ["PreparedRequest", "Processor", "ProcessorOutputInvalid", "RequestInvalid", "RequestTooLarge"]
 
@@ -52,9 +52,8 @@ class PreparedRequest:
 
 
 class Processor(Protocol):
-    """What every model's processor implements; the engine calls nothing else."""
-
-    def __init__(self, bundles: Mapping[int, VerifiedBundle]) -> None: ...
+    """What every model's processor implements; the engine calls nothing else. A model's processor
+    is built as `cls(bundles)`: its graph stages' verified bundles by stage id."""
 
     def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
         """Validate the whole request, then build its work; raises ``RequestInvalid``."""
@@ -65,8 +64,9 @@ class Processor(Protocol):
         """Build the response from one output mapping per ``prepared.work`` item."""
         ...
 
-    def warmup_request(self) -> dict:
-        """A real request; readiness waits for it to pass through the whole pipeline."""
+    def warmup_request(self) -> dict | None:
+        """A real request; readiness waits for it to pass through the whole pipeline. None: the
+        pipeline has no request of its own (raw tensors), so nothing warms it up end to end."""
         ...
 
     def audit(self) -> dict:

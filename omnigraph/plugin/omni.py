@@ -39,6 +39,7 @@ from omnigraph.pipelines.deploy import (
     resolve_pipeline,
     validate_deploy_config,
 )
+from omnigraph.pipelines.processor import Processor
 from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 from omnigraph.stages.errors import ResourceUnavailable
 from omnigraph.stages.native_stage import ServedEngine
@@ -159,7 +160,7 @@ class OmniBase:
         self.runtime.start()
         try:
             if self.pipeline.processor is not None:
-                self.processor: Any = resolve_dotted(self.pipeline.processor)(self.runtime.bundles)
+                self.processor: Processor = resolve_dotted(self.pipeline.processor)(self.runtime.bundles)
             else:
                 entry = self.runtime.ordered_stages[0]
                 self.processor = TensorProcessor(entry.input_specs, max_io_bytes=entry.max_io_bytes)
@@ -167,9 +168,9 @@ class OmniBase:
                 self.runtime, self.processor,
                 max_queued_requests=max_queued_requests or self.deploy.max_queued_requests,
             )
-            if warmup and hasattr(self.processor, "warmup_request"):
-                request = self.orchestrator.submit(self.processor.warmup_request(),
-                                                   request_id=f"warmup-{uuid.uuid4().hex}")
+            warmup_request = self.processor.warmup_request() if warmup else None
+            if warmup_request is not None:
+                request = self.orchestrator.submit(warmup_request, request_id=f"warmup-{uuid.uuid4().hex}")
                 try:
                     request.wait(startup_timeout)
                 finally:
@@ -193,9 +194,10 @@ class OmniBase:
 
     def warmup_request(self) -> dict:
         """A real request that exercises the whole pipeline (processor pipelines only)."""
-        if not hasattr(self.processor, "warmup_request"):
+        request = self.processor.warmup_request()
+        if request is None:
             raise TypeError(f"pipeline {self.model!r} has no processor, so no warmup request")
-        return self.processor.warmup_request()
+        return request
 
     def health(self) -> dict[int, str]:
         """Stages that cannot serve now -> why ("recovering: ...", "unavailable: ...", "failed:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from omnigraph.pipelines.deploy import DEFAULT_MAX_QUEUED_REQUESTS
-from omnigraph.pipelines.processor import PreparedRequest
+from omnigraph.pipelines.processor import PreparedRequest, Processor
 from omnigraph.stages.errors import (
     DeadlineExceeded,
     HandoffInvalid,
@@ -200,7 +200,7 @@ class AdmissionHold:
 class Orchestrator:
     """Moves requests of one pipeline through its stages."""
 
-    def __init__(self, runtime: StageRuntime, processor: Any, *,
+    def __init__(self, runtime: StageRuntime, processor: Processor, *,
                  max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS) -> None:
         if max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {max_queued_requests}")

@@ -40,5 +40,9 @@ class TensorProcessor:
     def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         return dict(outputs[0])
 
+    def warmup_request(self) -> None:
+        """Raw tensors have no request of their own: each worker's load warmed up its graph."""
+        return None
+
     def audit(self) -> dict[str, Any]:
         return {}
