@@ -42,6 +42,7 @@ from omnigraph.pipelines.deploy import (
 from omnigraph.pipelines.processor import Processor
 from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 from omnigraph.stages.errors import ResourceUnavailable
+from omnigraph.stages.metrics import EngineMetrics
 from omnigraph.stages.native_stage import ServedEngine
 from omnigraph.stages.orchestrator import AdmissionHold, Orchestrator, RequestState
 from omnigraph.stages.outputs import OmniRequestOutput
@@ -228,6 +229,10 @@ class OmniBase:
     def ledger_snapshot(self) -> dict[str, Any]:
         """Capacities, charges and live reservations of the resource ledger."""
         return self.runtime.ledger.snapshot()
+
+    def metrics(self) -> EngineMetrics:
+        """Every stage's and the ledger's counters as typed records (what `/metrics` exports)."""
+        return self.runtime.metrics()
 
     def shutdown(self) -> None:
         """Fail unfinished requests, stop every worker, release every reservation. Idempotent."""

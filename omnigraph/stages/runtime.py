@@ -40,6 +40,7 @@ from omnigraph.stages.graph_stage import (
     worker_route,
 )
 from omnigraph.stages.ledger import Reservation, ResourceLedger
+from omnigraph.stages.metrics import BatchMetrics, EngineMetrics, LedgerMetrics, ReplicaMetrics, StageMetrics
 from omnigraph.stages.monitor import StageMonitor
 from omnigraph.stages.native_stage import NativeStage, ServedEngine
 from omnigraph.stages.startup import StartCancel
@@ -186,6 +187,28 @@ class StageRuntime:
             "stages": [stage.describe() for stage in self.ordered_stages],
             "ledger": self.ledger.snapshot(),
         }
+
+    def metrics(self) -> EngineMetrics:
+        """The stages' and the ledger's counters as typed records (stages/metrics.py), read from
+        their attributes: what `/metrics` exports, without building the execution plan."""
+        stages = []
+        for stage in self.ordered_stages:
+            state, reason = stage.status()
+            if isinstance(stage, GraphStage):
+                graph = list(stage.replicas)
+                replicas = tuple(ReplicaMetrics(r.replica, r.client.generation, r.state, r.restarts, r.calls,
+                                                r.items, r.fenced_calls) for r in graph)
+                live, restarts = sum(r.serving for r in graph), stage.restart_budget.spent
+                batching: BatchMetrics | None = BatchMetrics.from_stats(stage.batch_stats.snapshot())
+            else:  # a native engine is never replaced; each pooled item is one engine call
+                native = list(stage.replicas)
+                replicas = tuple(ReplicaMetrics(r.replica, None, "serving" if r.serving else "retired", 0, r.items,
+                                                r.items, 0) for r in native)
+                live = sum(r.serving for r in native) if stage.failure is None else 0
+                restarts, batching = 0, None
+            stages.append(StageMetrics(stage.stage_id, stage.config.execution_type.value, state, reason,
+                                       stage.deploy.num_replicas, live, restarts, replicas, batching))
+        return EngineMetrics(tuple(stages), LedgerMetrics.from_snapshot(self.ledger.snapshot()))
 
     def health(self) -> dict[int, str]:
         """Stages that cannot serve now -> why (empty while every stage has a live replica). A

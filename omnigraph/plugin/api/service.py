@@ -24,6 +24,7 @@ from omnigraph.stages.errors import (
     ResourceUnavailable,
     StageUnavailable,
 )
+from omnigraph.stages.metrics import BatchMetrics, EngineMetrics, LedgerMetrics
 from omnigraph.stages.startup import StartCancel
 
 logger = logging.getLogger("omnigraph.plugin.api")
@@ -57,6 +58,8 @@ class DecisionEngine(Protocol):
     def queue_depth(self) -> int: ...
 
     def ledger_snapshot(self) -> dict[str, Any]: ...
+
+    def metrics(self) -> EngineMetrics: ...
 
     def shutdown(self) -> None: ...
 
@@ -166,15 +169,17 @@ class DecisionService:
     def queue_depth(self) -> int | None:
         return None if self.engine is None else self.engine.queue_depth()
 
-    def ledger_snapshot(self) -> Mapping[str, Any] | None:
-        return None if self.engine is None else self.engine.ledger_snapshot()
+    def metrics(self) -> EngineMetrics | None:
+        """The engine's counters as typed records (stages/metrics.py; None before start)."""
+        return None if self.engine is None else self.engine.metrics()
 
-    def batch_stats(self) -> dict[int, Mapping[str, Any]] | None:
+    def ledger_snapshot(self) -> LedgerMetrics | None:
+        """The ledger's constraints and live reservations (None before start), without the stages'."""
+        return None if self.engine is None else LedgerMetrics.from_snapshot(self.engine.ledger_snapshot())
+
+    def batch_stats(self) -> dict[int, BatchMetrics] | None:
         """Each batching stage's statistics by stage id (None before start)."""
-        if self.engine is None:
-            return None
-        return {stage["stage_id"]: stage["batching"]["stats"]
-                for stage in self.engine.execution_plan["stages"] if "stats" in stage.get("batching", {})}
+        return None if self.engine is None else self.engine.metrics().batching()
 
     # -- requests ------------------------------------------------------------------------------
 
