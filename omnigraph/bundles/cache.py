@@ -17,9 +17,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from omnigraph.bundles.defaults import CACHE_ENV, cache_root
+
 __all__ = ["CACHE_ENV", "CacheUnwritable", "cache_key", "cache_root", "cached_folder"]
 
-CACHE_ENV = "OMNIGRAPH_CACHE"
 # The errors of a cache that cannot take a new folder: read-only, full, over quota, not ours.
 _UNWRITABLE = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM})
 # Hex digits of the key's sha256 in a folder name: 64 bits, plenty for one machine's cache.
@@ -29,11 +30,6 @@ KEY_DIGITS = 16
 class CacheUnwritable(OSError):
     """A cache folder could not be built: the cache is read-only, full, or otherwise refused a
     write. The message names the file and the operating system's reason."""
-
-
-def cache_root() -> Path:
-    """`$OMNIGRAPH_CACHE`, or `~/.cache/omnigraph`."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "omnigraph")
 
 
 def cache_key(key: Mapping[str, Any]) -> str:

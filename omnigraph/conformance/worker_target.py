@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
+from omnigraph.bundles.defaults import DEFAULT_MAX_IO_BYTES
 from omnigraph.conformance.frames import BuiltFrame, send_frame_bytes
 from omnigraph.conformance.report import CaseFailed
 from omnigraph.workers import wire
-from omnigraph.workers.route import DEFAULT_MAX_IO_BYTES, WorkerRoute
+from omnigraph.workers.route import WorkerRoute
 
 # Why: a worker imports onnxruntime before it connects; a cold start on a busy 2-core machine can
 # take several seconds.

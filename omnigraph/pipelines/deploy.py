@@ -29,6 +29,16 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from omnigraph.bundles.defaults import (
+    DEFAULT_HANG_GRACE_S,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_MAX_RESTARTS,
+    DEFAULT_NATIVE_STARTUP_TIMEOUT_S,
+    DEFAULT_RESTART_WINDOW_S,
+    DEFAULT_REVERIFY_INTERVAL_S,
+    MAX_CUDA_GRAPHS_LIMIT,
+    MAX_SPIN_WAIT_US,
+)
 from omnigraph.pipelines.config import (
     MAX_BATCH_WAIT_US,
     PipelineConfig,
@@ -38,33 +48,15 @@ from omnigraph.pipelines.config import (
 )
 from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
 from omnigraph.pipelines.strict_yaml import StrictYamlError, read_yaml_file
-from omnigraph.workers.route import (
-    DEFAULT_CUDA_GRAPH_MAX_ROWS,
-    DEFAULT_MAILBOX_BYTES,
-    DEFAULT_MAX_CUDA_GRAPHS,
-    MAX_CUDA_GRAPHS_LIMIT,
-    MAX_SPIN_WAIT_US,
-    mailbox_bytes_problem,
-)
-from omnigraph.workers.wire import SPIN_WAIT_US
+from omnigraph.workers.route import mailbox_bytes_problem, route_default
 
 GRAPH_BACKEND = "external.graph.v1"
 NATIVE_BACKEND = "vllm.pooling.v1"
 # Engine arguments omnigraph sets itself: a pooling engine over `model` returning raw hidden states.
 MANAGED_ENGINE_ARGS = ("model", "dtype", "max_model_len", "runner", "convert", "pooler_config")
-DEFAULT_NATIVE_STARTUP_TIMEOUT_S = 600.0
-# Why 128: one full `/v1/systemone/batch` (64 states, each a request) is admitted as a unit on an
-# idle server, with as much room again for single requests.
-DEFAULT_MAX_QUEUED_REQUESTS = 128
-DEFAULT_MAX_RESTARTS = 5
-DEFAULT_RESTART_WINDOW_S = 60.0
-# Why: a changed bundle is reported within half a minute, and a stat-only check of a few files
-# every 30 s costs nothing measurable (bundles/watch.py re-hashes in full only now and then).
-DEFAULT_REVERIFY_INTERVAL_S = 30.0
-# Why: a call whose requests are all gone still runs to its end on the worker; the longest honest
-# call (64 questions of 512 tokens on a CPU) takes a few seconds, so a worker silent this long after
-# its call was fenced is hung, not busy.
-DEFAULT_HANG_GRACE_S = 10.0
+# The keys of a graph backend that are WorkerRoute fields besides its `route:` mapping (None: the
+# route's default); the stage's `env` is one too (StageDeployConfig.worker_route_fields).
+BACKEND_ROUTE_KEYS = ("max_io_bytes", "min_fraction_on_target", "allowed_providers")
 _DECLARATION_KEYS = ("model_stage", "execution_type", "input_sources", "final_output",
                      "final_output_type", "custom_process_input_func")
 
@@ -78,20 +70,22 @@ class _Strict(BaseModel):
 
 
 class RouteConfig(_Strict):
-    """Where and how a stage's worker process runs (becomes a `WorkerRoute`)."""
+    """Where and how a stage's worker process runs (becomes a `WorkerRoute`: every key is one of its
+    fields, by the same name, and every default is that field's; only `interpreter` has its own,
+    this interpreter)."""
 
     name: str
     interpreter: str = Field(default_factory=lambda: sys.executable)
-    ep: Literal["cpu", "cuda", "tensorrt"] = "cpu"
-    device_id: int = Field(default=0, ge=0)
-    os_domain: Literal["posix"] = "posix"
+    ep: Literal["cpu", "cuda", "tensorrt"] = route_default("ep")
+    device_id: int = Field(default=route_default("device_id"), ge=0)
+    os_domain: Literal["posix"] = route_default("os_domain")
     provider_options: dict[str, str | int | float | bool] = Field(default_factory=dict)
-    enable_cuda_graph: bool = False
-    cuda_graph_max_rows: int = Field(default=DEFAULT_CUDA_GRAPH_MAX_ROWS, ge=1)
-    max_cuda_graphs: int = Field(default=DEFAULT_MAX_CUDA_GRAPHS, ge=1, le=MAX_CUDA_GRAPHS_LIMIT)
-    intra_op_num_threads: int | None = Field(default=None, ge=1)
-    spin_wait_us: int = Field(default=SPIN_WAIT_US, ge=0, le=MAX_SPIN_WAIT_US)
-    mailbox_bytes: int = DEFAULT_MAILBOX_BYTES
+    enable_cuda_graph: bool = route_default("enable_cuda_graph")
+    cuda_graph_max_rows: int = Field(default=route_default("cuda_graph_max_rows"), ge=1)
+    max_cuda_graphs: int = Field(default=route_default("max_cuda_graphs"), ge=1, le=MAX_CUDA_GRAPHS_LIMIT)
+    intra_op_num_threads: int | None = Field(default=route_default("intra_op_num_threads"), ge=1)
+    spin_wait_us: int = Field(default=route_default("spin_wait_us"), ge=0, le=MAX_SPIN_WAIT_US)
+    mailbox_bytes: int = route_default("mailbox_bytes")
 
     @field_validator("mailbox_bytes")
     @classmethod
@@ -112,7 +106,7 @@ class GraphBackendConfig(_Strict):
     manifest: Path
     route: RouteConfig
     max_io_bytes: int | None = Field(default=None, gt=0)
-    min_fraction_on_target: float = Field(default=1.0, ge=0.0, le=1.0)
+    min_fraction_on_target: float = Field(default=route_default("min_fraction_on_target"), ge=0.0, le=1.0)
     allowed_providers: list[str] | None = None
     reverify_interval_s: float | None = Field(default=DEFAULT_REVERIFY_INTERVAL_S, ge=0.0, allow_inf_nan=False)
     hang_grace_s: float = Field(default=DEFAULT_HANG_GRACE_S, gt=0.0, allow_inf_nan=False)
@@ -276,6 +270,14 @@ class StageDeployConfig(_Strict):
         if not isinstance(self.backend, GraphBackendConfig):
             return None
         return self.backend.reverify_interval_s or None
+
+    def worker_route_fields(self) -> dict[str, Any]:
+        """A graph stage's WorkerRoute fields by name: its `backend.route`, the backend's route keys
+        that are set (BACKEND_ROUTE_KEYS) and its `env`; the engine adds what the plan implies
+        (graph_stage.worker_route: `gpu_mem_limit`)."""
+        backend = self.graph_backend
+        return {**backend.route.model_dump(), **backend.model_dump(include=set(BACKEND_ROUTE_KEYS), exclude_none=True),
+                "env": dict(self.env)}
 
     @property
     def hang_grace_s(self) -> float:

@@ -352,31 +352,12 @@ class GraphReplica:
 
 
 def worker_route(stage: StageDeployConfig) -> WorkerRoute:
-    """The route a graph stage's workers run on; on GPU routes the stage's VRAM demand on its
-    device (`machine:vram:<device_id>`) becomes ORT's arena limit (`gpu_mem_limit`)."""
-    backend = stage.graph_backend
-    route = backend.route
+    """The route a graph stage's workers run on: the stage's route fields by name
+    (`StageDeployConfig.worker_route_fields`); on GPU routes the stage's VRAM demand on its device
+    (`machine:vram:<device_id>`) becomes ORT's arena limit (`gpu_mem_limit`)."""
+    route = stage.graph_backend.route
     vram = stage.resource_budget.demands.get(f"machine:vram:{route.device_id}") if route.ep != "cpu" else None
-    extra = {"max_io_bytes": backend.max_io_bytes} if backend.max_io_bytes is not None else {}
-    return WorkerRoute(
-        name=route.name,
-        interpreter=route.interpreter,
-        ep=route.ep,
-        device_id=route.device_id,
-        provider_options=route.provider_options,
-        allowed_providers=tuple(backend.allowed_providers or ()),
-        min_fraction_on_target=backend.min_fraction_on_target,
-        os_domain=route.os_domain,
-        enable_cuda_graph=route.enable_cuda_graph,
-        cuda_graph_max_rows=route.cuda_graph_max_rows,
-        max_cuda_graphs=route.max_cuda_graphs,
-        gpu_mem_limit=vram or None,
-        intra_op_num_threads=route.intra_op_num_threads,
-        spin_wait_us=route.spin_wait_us,
-        mailbox_bytes=route.mailbox_bytes,
-        env=stage.env,
-        **extra,
-    )
+    return WorkerRoute.from_dict({**stage.worker_route_fields(), "gpu_mem_limit": vram or None})
 
 
 def _batch_adapter(config: StagePipelineConfig, bundle: VerifiedBundle, route: WorkerRoute) -> BatchAdapter:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Final
 
 import numpy as np
 
+from omnigraph.bundles.defaults import DEFAULT_MAX_IO_BYTES
 from omnigraph.pipelines.config import StagePipelineConfig
 from omnigraph.pipelines.deploy import NativeBackendConfig, StageDeployConfig
 from omnigraph.stages.errors import (
@@ -48,7 +49,6 @@ from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.stages.protocols import HandoffFunc, WorkItem
 from omnigraph.stages.tensors import InputSpec
-from omnigraph.workers.route import DEFAULT_MAX_IO_BYTES
 
 if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from omnigraph.pipelines.deploy import DEFAULT_MAX_QUEUED_REQUESTS
+from omnigraph.bundles.defaults import DEFAULT_MAX_QUEUED_REQUESTS
 from omnigraph.pipelines.processor import PreparedRequest, Processor
 from omnigraph.stages.errors import (
     DeadlineExceeded,

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 import omnigraph
+from omnigraph.bundles.defaults import DEFAULT_STARTUP_TIMEOUT_S
 from omnigraph.workers import procfs, wire
 from omnigraph.workers.errors import (
     CallRefused,
@@ -109,7 +110,8 @@ class WorkerClient:
     # Start
 
     @classmethod
-    def start(cls, route: WorkerRoute, *, generation: int, startup_timeout: float = 60.0) -> WorkerClient:
+    def start(cls, route: WorkerRoute, *, generation: int,
+              startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S) -> WorkerClient:
         """Start a worker for ``route`` and wait (up to ``startup_timeout`` s) for its hello."""
         if type(generation) is not int or generation < 0:
             raise ValueError(f"generation must be an integer >= 0, got {generation!r}")

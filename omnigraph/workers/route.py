@@ -1,17 +1,30 @@
 """WorkerRoute: where and how a graph worker runs (interpreter, execution provider, limits).
 
-Validated once at construction; the worker receives it as JSON (``to_json`` / ``from_json``).
+The one declaration of a route's fields: their types and defaults are the dataclass fields below
+(the defaults themselves live in bundles/defaults.py), and their checks one table (`_CHECKS`). The
+deploy schema (pipelines/deploy.py `RouteConfig`) reads its defaults from these fields, and the
+engine builds a route from a validated stage by field name (`WorkerRoute.from_dict`). Validated
+once at construction; the worker receives it as JSON (``to_json`` / ``from_json``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
 from types import MappingProxyType
 from typing import Any
 
+from omnigraph.bundles.defaults import (
+    DEFAULT_CUDA_GRAPH_MAX_ROWS,
+    DEFAULT_MAILBOX_BYTES,
+    DEFAULT_MAX_CUDA_GRAPHS,
+    DEFAULT_MAX_IO_BYTES,
+    MAX_CUDA_GRAPHS_LIMIT,
+    MAX_IO_BYTES_LIMIT,
+    MAX_SPIN_WAIT_US,
+)
 from omnigraph.workers.mailbox import MAX_AREA_BYTES, MIN_AREA_BYTES
 from omnigraph.workers.wire import SPIN_WAIT_US
 
@@ -21,29 +34,16 @@ EP_PROVIDERS = {
     "tensorrt": "TensorrtExecutionProvider",
 }
 OS_DOMAINS = ("posix",)
-# Why: the wire's own cap on a frame's tensor bytes must stay addressable and sane.
-MAX_IO_BYTES_LIMIT = 1 << 40
-DEFAULT_MAX_IO_BYTES = 8 * 1024 * 1024
-# Why: vLLM captures CUDA graphs up to a batch of 512 by default (max_cudagraph_capture_size); a
-# decision row carries a whole sequence, so far fewer rows are launch-bound.
-DEFAULT_CUDA_GRAPH_MAX_ROWS = 8
-# Why: a served stage visits the bundle's example shape, its warm-up request's and one shape per
-# (rows, length) bucket of its traffic; 4 slots left batch-1 Laya at 512 tokens uncaptured on the
-# H200 (5.2 ms instead of 2.3). Each graph keeps its buffers inside the route's gpu_mem_limit.
-DEFAULT_MAX_CUDA_GRAPHS = 16
-# Why: more captured graphs than this is a shape policy gone wrong, not a cache.
-MAX_CUDA_GRAPHS_LIMIT = 256
-# Why: polling longer than this is a busy loop, not a wait for the next message.
-MAX_SPIN_WAIT_US = 100_000
-# Why: a decision model's call (token ids, masks) and its answer fit with room to spare; larger
-# frames go through the socket, and the worker maps two areas of this size.
-DEFAULT_MAILBOX_BYTES = 1 << 20
+
+
+_MAILBOX_BYTES_RULE = (f"must be 0 (every frame through the socket) or an integer in "
+                       f"[{MIN_AREA_BYTES}, {MAX_AREA_BYTES}]")
 
 
 def mailbox_bytes_problem(value: Any) -> str | None:
     """What is wrong with a route's ``mailbox_bytes`` (None: nothing; 0 means no mailbox)."""
     if type(value) is not int or not (value == 0 or MIN_AREA_BYTES <= value <= MAX_AREA_BYTES):
-        return f"must be 0 (every frame through the socket) or an integer in [{MIN_AREA_BYTES}, {MAX_AREA_BYTES}]"
+        return _MAILBOX_BYTES_RULE
     return None
 
 
@@ -55,6 +55,15 @@ def _option_value(value: Any) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
     return str(value)
+
+
+def _int_in(value: Any, low: int, high: int | None = None) -> bool:
+    """`value` is an int (not a bool) in [low, high] (no upper bound when high is None)."""
+    return type(value) is int and low <= value and (high is None or value <= high)
+
+
+def _maps(value: Any, keys: type | tuple[type, ...], values: type | tuple[type, ...]) -> bool:
+    return isinstance(value, Mapping) and all(isinstance(k, keys) and isinstance(v, values) for k, v in value.items())
 
 
 @dataclass(frozen=True)
@@ -96,59 +105,18 @@ class WorkerRoute:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise RouteInvalid("route name must be a non-empty string")
-        if not isinstance(self.interpreter, str) or not os.path.isabs(self.interpreter):
-            raise RouteInvalid(f"route {self.name!r}: interpreter must be an absolute path, got {self.interpreter!r}")
-        if self.ep not in EP_PROVIDERS:
-            raise RouteInvalid(f"route {self.name!r}: ep must be one of {sorted(EP_PROVIDERS)}, got {self.ep!r}")
-        if type(self.device_id) is not int or self.device_id < 0:
-            raise RouteInvalid(f"route {self.name!r}: device_id must be an integer >= 0")
-        if not isinstance(self.provider_options, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, (str, int, float, bool)) for k, v in self.provider_options.items()
-        ):
-            raise RouteInvalid(f"route {self.name!r}: provider_options must map strings to scalars")
-        allowed = tuple(self.allowed_providers) or (self.target_provider,)
-        if not all(isinstance(p, str) and p.endswith("ExecutionProvider") for p in allowed):
-            raise RouteInvalid(f"route {self.name!r}: allowed_providers must be ORT provider names, got {allowed}")
-        if self.target_provider not in allowed:
-            raise RouteInvalid(f"route {self.name!r}: allowed_providers {allowed} lacks the target "
-                               f"{self.target_provider}")
-        if isinstance(self.min_fraction_on_target, bool) or not isinstance(self.min_fraction_on_target, (int, float)) \
-                or not 0.0 <= self.min_fraction_on_target <= 1.0:
-            raise RouteInvalid(f"route {self.name!r}: min_fraction_on_target must be in [0, 1]")
-        if self.os_domain not in OS_DOMAINS:
-            raise RouteInvalid(f"route {self.name!r}: os_domain must be one of {OS_DOMAINS}, got {self.os_domain!r}")
-        if type(self.max_io_bytes) is not int or not 0 < self.max_io_bytes <= MAX_IO_BYTES_LIMIT:
-            raise RouteInvalid(f"route {self.name!r}: max_io_bytes must be an integer in (0, 2**40]")
-        if not isinstance(self.enable_cuda_graph, bool):
-            raise RouteInvalid(f"route {self.name!r}: enable_cuda_graph must be a boolean")
-        if self.enable_cuda_graph and self.ep != "cuda":
-            raise RouteInvalid(f"route {self.name!r}: enable_cuda_graph needs ep 'cuda', not {self.ep!r}")
-        if type(self.cuda_graph_max_rows) is not int or self.cuda_graph_max_rows < 1:
-            raise RouteInvalid(f"route {self.name!r}: cuda_graph_max_rows must be an integer >= 1")
-        if type(self.max_cuda_graphs) is not int or not 1 <= self.max_cuda_graphs <= MAX_CUDA_GRAPHS_LIMIT:
-            raise RouteInvalid(f"route {self.name!r}: max_cuda_graphs must be an integer in "
-                               f"[1, {MAX_CUDA_GRAPHS_LIMIT}]")
-        if self.gpu_mem_limit is not None:
-            if type(self.gpu_mem_limit) is not int or self.gpu_mem_limit <= 0:
-                raise RouteInvalid(f"route {self.name!r}: gpu_mem_limit must be a positive integer (bytes)")
-            if self.ep == "cpu":
-                raise RouteInvalid(f"route {self.name!r}: gpu_mem_limit applies to the cuda and tensorrt routes only")
-        if self.intra_op_num_threads is not None and (
-            type(self.intra_op_num_threads) is not int or self.intra_op_num_threads < 1
-        ):
-            raise RouteInvalid(f"route {self.name!r}: intra_op_num_threads must be an integer >= 1")
-        if not isinstance(self.env, Mapping) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in self.env.items()
-        ):
-            raise RouteInvalid(f"route {self.name!r}: env must map strings to strings")
-        if type(self.spin_wait_us) is not int or not 0 <= self.spin_wait_us <= MAX_SPIN_WAIT_US:
-            raise RouteInvalid(f"route {self.name!r}: spin_wait_us must be an integer in [0, {MAX_SPIN_WAIT_US}]")
-        if problem := mailbox_bytes_problem(self.mailbox_bytes):
-            raise RouteInvalid(f"route {self.name!r}: mailbox_bytes {problem}")
-        object.__setattr__(self, "allowed_providers", allowed)
+        for ok, problem in _CHECKS:  # in order: a later check may rely on an earlier one (ep before allowed)
+            if not ok(self):
+                raise RouteInvalid(f"route {self.name!r}: " + problem.format(r=self))
+        object.__setattr__(self, "allowed_providers", self._allowed)
         object.__setattr__(self, "min_fraction_on_target", float(self.min_fraction_on_target))
         object.__setattr__(self, "provider_options", MappingProxyType(dict(self.provider_options)))
         object.__setattr__(self, "env", MappingProxyType(dict(self.env)))
+
+    @property
+    def _allowed(self) -> tuple[str, ...]:
+        """``allowed_providers`` as given, or the target provider alone."""
+        return tuple(self.allowed_providers) or (self.target_provider,)
 
     @property
     def target_provider(self) -> str:
@@ -215,3 +183,47 @@ class WorkerRoute:
         if not isinstance(data, dict):
             raise RouteInvalid("route JSON must be an object")
         return cls.from_dict(data)
+
+
+def route_default(name: str) -> Any:
+    """The default of WorkerRoute field `name` (the deploy schema's default for the same key)."""
+    spec = WorkerRoute.__dataclass_fields__[name]
+    if spec.default_factory is not MISSING:
+        return spec.default_factory()
+    if spec.default is MISSING:
+        raise KeyError(f"route field {name!r} has no default")
+    return spec.default
+
+
+ROUTE_FIELDS = tuple(spec.name for spec in fields(WorkerRoute))
+
+# Every field's check after `name`, in order: (passes(route), what is wrong: a str.format template
+# over the route `r`, shown after "route '<name>': ").
+_CHECKS: tuple[tuple[Callable[[WorkerRoute], bool], str], ...] = (
+    (lambda r: isinstance(r.interpreter, str) and os.path.isabs(r.interpreter),
+     "interpreter must be an absolute path, got {r.interpreter!r}"),
+    (lambda r: r.ep in EP_PROVIDERS, f"ep must be one of {sorted(EP_PROVIDERS)}, got {{r.ep!r}}"),
+    (lambda r: _int_in(r.device_id, 0), "device_id must be an integer >= 0"),
+    (lambda r: _maps(r.provider_options, str, (str, int, float, bool)), "provider_options must map strings to scalars"),
+    (lambda r: all(isinstance(p, str) and p.endswith("ExecutionProvider") for p in r._allowed),
+     "allowed_providers must be ORT provider names, got {r._allowed}"),
+    (lambda r: r.target_provider in r._allowed, "allowed_providers {r._allowed} lacks the target {r.target_provider}"),
+    (lambda r: not isinstance(r.min_fraction_on_target, bool) and isinstance(r.min_fraction_on_target, (int, float))
+     and 0.0 <= r.min_fraction_on_target <= 1.0, "min_fraction_on_target must be in [0, 1]"),
+    (lambda r: r.os_domain in OS_DOMAINS, f"os_domain must be one of {OS_DOMAINS}, got {{r.os_domain!r}}"),
+    (lambda r: _int_in(r.max_io_bytes, 1, MAX_IO_BYTES_LIMIT), "max_io_bytes must be an integer in (0, 2**40]"),
+    (lambda r: isinstance(r.enable_cuda_graph, bool), "enable_cuda_graph must be a boolean"),
+    (lambda r: not r.enable_cuda_graph or r.ep == "cuda", "enable_cuda_graph needs ep 'cuda', not {r.ep!r}"),
+    (lambda r: _int_in(r.cuda_graph_max_rows, 1), "cuda_graph_max_rows must be an integer >= 1"),
+    (lambda r: _int_in(r.max_cuda_graphs, 1, MAX_CUDA_GRAPHS_LIMIT),
+     f"max_cuda_graphs must be an integer in [1, {MAX_CUDA_GRAPHS_LIMIT}]"),
+    (lambda r: r.gpu_mem_limit is None or _int_in(r.gpu_mem_limit, 1),
+     "gpu_mem_limit must be a positive integer (bytes)"),
+    (lambda r: r.gpu_mem_limit is None or r.ep != "cpu", "gpu_mem_limit applies to the cuda and tensorrt routes only"),
+    (lambda r: r.intra_op_num_threads is None or _int_in(r.intra_op_num_threads, 1),
+     "intra_op_num_threads must be an integer >= 1"),
+    (lambda r: _maps(r.env, str, str), "env must map strings to strings"),
+    (lambda r: _int_in(r.spin_wait_us, 0, MAX_SPIN_WAIT_US),
+     f"spin_wait_us must be an integer in [0, {MAX_SPIN_WAIT_US}]"),
+    (lambda r: mailbox_bytes_problem(r.mailbox_bytes) is None, "mailbox_bytes " + _MAILBOX_BYTES_RULE),
+)

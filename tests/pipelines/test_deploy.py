@@ -1,12 +1,22 @@
 """The deploy YAML: strict keys with precise paths, base_config merging, pipeline resolution."""
 
+import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from omnigraph.pipelines.deploy import DEFAULT_MAX_QUEUED_REQUESTS, DeployConfigError, load_deploy_config, resolve_pipeline
+from omnigraph.pipelines.deploy import (
+    BACKEND_ROUTE_KEYS,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DeployConfigError,
+    GraphBackendConfig,
+    RouteConfig,
+    load_deploy_config,
+    resolve_pipeline,
+)
 from omnigraph.stages.graph_stage import worker_route
+from omnigraph.workers.route import ROUTE_FIELDS, WorkerRoute, route_default
 
 
 def write(folder: Path, name: str, text: str) -> Path:
@@ -177,3 +187,25 @@ def test_registered_pipeline_refuses_inline_keys_and_unknown_names(tmp_path, bun
         resolve_pipeline(load_deploy_config(write(tmp_path, "plan.yaml", PLAN.replace("laya", "layaa"))))
     with pytest.raises(DeployConfigError, match="declares stages \\[0\\], the plan has \\[3\\]"):
         resolve_pipeline(load_deploy_config(write(tmp_path, "plan.yaml", PLAN.replace("stage_id: 0", "stage_id: 3"))))
+
+
+def test_the_schema_hands_the_route_its_own_fields_and_defaults(tmp_path, bundle_dir):
+    """Every route key of the schema is a WorkerRoute field of the same name with the same default
+    (interpreter: this one), so a plan that names nothing builds the route's defaults."""
+    assert set(RouteConfig.model_fields) | set(BACKEND_ROUTE_KEYS) | {"env"} <= set(ROUTE_FIELDS)
+    assert set(BACKEND_ROUTE_KEYS) <= set(GraphBackendConfig.model_fields)
+    for name, spec in RouteConfig.model_fields.items():
+        if name not in ("name", "interpreter"):
+            assert spec.get_default(call_default_factory=True) == route_default(name), name
+    stage = load_deploy_config(write(tmp_path, "plan.yaml", PLAN)).stage(0)
+    assert worker_route(stage) == WorkerRoute(name="local-cpu", interpreter=sys.executable)
+    text = PLAN.replace("route: {name: local-cpu, ep: cpu}", "route: {name: gpu, ep: cuda, device_id: 1}\n"
+                        "          max_io_bytes: 1024\n          min_fraction_on_target: 0.5\n"
+                        "          allowed_providers: [CUDAExecutionProvider, CPUExecutionProvider]")
+    text = text.replace('capacities: {"machine:ram": 1000}', 'capacities: {"machine:ram": 1000, "machine:vram:1": 64}')
+    text = text.replace('demands: {"machine:ram": 100}', 'demands: {"machine:ram": 100, "machine:vram:1": 32}')
+    text = text.replace("        resource_budget:", "        env: {A: '1'}\n        resource_budget:")
+    stage = load_deploy_config(write(tmp_path, "plan.yaml", text)).stage(0)
+    assert worker_route(stage) == WorkerRoute(
+        name="gpu", interpreter=sys.executable, ep="cuda", device_id=1, max_io_bytes=1024, min_fraction_on_target=0.5,
+        allowed_providers=("CUDAExecutionProvider", "CPUExecutionProvider"), gpu_mem_limit=32, env={"A": "1"})

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from omnigraph.workers.route import RouteInvalid, WorkerRoute
+from omnigraph.workers.route import ROUTE_FIELDS, RouteInvalid, WorkerRoute, route_default
 
 PY = "/usr/bin/python3"
 
@@ -81,3 +83,33 @@ def test_unknown_json_fields_are_refused():
         WorkerRoute.from_dict({"name": "r", "interpreter": PY, "shm_threshold_bytes": 1 << 27})
     with pytest.raises(RouteInvalid, match="interpreter"):
         WorkerRoute.from_dict({"name": "r"})
+
+
+def test_defaults_are_declared_once():
+    """A route's defaults are its dataclass fields' (read from bundles/defaults.py); the deploy schema
+    reads them through route_default, and the fields without one are the two every route names."""
+    from omnigraph.bundles import defaults
+
+    route = WorkerRoute(name="r", interpreter=PY)
+    assert (route.max_io_bytes, route.cuda_graph_max_rows, route.max_cuda_graphs, route.mailbox_bytes) == (
+        defaults.DEFAULT_MAX_IO_BYTES, defaults.DEFAULT_CUDA_GRAPH_MAX_ROWS, defaults.DEFAULT_MAX_CUDA_GRAPHS,
+        defaults.DEFAULT_MAILBOX_BYTES)
+    for name in ROUTE_FIELDS:
+        if name in ("name", "interpreter"):
+            with pytest.raises(KeyError):
+                route_default(name)
+        else:
+            default = route_default(name)
+            assert default == getattr(WorkerRoute(name="r", interpreter=PY, ep="cuda"), name) or name in (
+                "ep", "allowed_providers")  # the cuda route's own ep, and the target filled in
+    assert route_default("provider_options") is not route_default("provider_options")  # a fresh dict each time
+
+
+def test_the_cache_root_is_one_function(monkeypatch, tmp_path):
+    from omnigraph.bundles import cache, defaults
+    from omnigraph.workers.ops import build
+
+    monkeypatch.setenv(defaults.CACHE_ENV, str(tmp_path))
+    assert cache.cache_root() == defaults.cache_root() == tmp_path and build._cache_root() == tmp_path / "ops"
+    monkeypatch.setenv(defaults.CACHE_ENV, "")  # set but empty: the user cache, for the ops library too
+    assert build._cache_root() == Path.home() / ".cache" / "omnigraph" / "ops"

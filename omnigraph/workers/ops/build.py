@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from omnigraph.bundles.defaults import cache_root
 from omnigraph.bundles.hashing import sha256_file
 from omnigraph.workers.ops.headers import ort_include_dir
 from omnigraph.workers.ops.loader import DOMAIN, SUPPORTED_ABI_VERSION, library_info
@@ -53,7 +54,7 @@ class BuiltLibrary:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("OMNIGRAPH_CACHE", Path.home() / ".cache" / "omnigraph")) / "ops"
+    return cache_root() / "ops"
 
 
 def find_nvcc() -> Path | None:
