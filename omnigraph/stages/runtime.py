@@ -29,6 +29,7 @@ import itertools
 from typing import Any
 
 from omnigraph.bundles import VerifiedBundle, verify_bundle
+from omnigraph.bundles.defaults import DEFAULT_STARTUP_TIMEOUT_S
 from omnigraph.pipelines.config import PipelineConfig, StageExecutionType
 from omnigraph.pipelines.deploy import DeployConfig
 from omnigraph.stages.errors import StageStartupError
@@ -46,8 +47,6 @@ from omnigraph.stages.native_stage import NativeStage, ServedEngine
 from omnigraph.stages.startup import StartCancel
 from omnigraph.stages.tensors import input_specs
 from omnigraph.workers.client import WorkerClient
-
-DEFAULT_STARTUP_TIMEOUT_S = 120.0
 
 
 class StageRuntime:
