@@ -311,26 +311,32 @@ class GraphReplica:
         now = time.monotonic()
         due = [None if (left := item.remaining()) is None else now + left for item in items]
         hang_at: float | None = None
-        while True:
-            try:
-                outputs = client.result(time.monotonic() + CALL_POLL_S)
-            except StaleEpoch:
-                return None
-            if outputs is not None:
-                return outputs if hang_at is None else None
-            now = time.monotonic()
-            for deadline, item in zip(due, items):
-                if deadline is not None and deadline <= now and item.is_live():
-                    item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage "
-                                               f"{self.stage.stage_id}; its call was left to finish"))
-            if hang_at is None and not any(item.is_live() for item in items):
-                self._epoch += 1
-                client.fence(self._epoch)
-                self.fenced_calls += 1
-                hang_at = now + self.hang_grace_s
-            elif hang_at is not None and now >= hang_at:
-                raise WorkerTimeout(f"worker {client.pid}: call {call_id} not answered within {self.hang_grace_s:g} s "
-                                    "after it was fenced; the worker is hung")
+        kept: list[Callable[[], None]] = []  # the fenced call's admission, until it ends
+        try:
+            while True:
+                try:
+                    outputs = client.result(time.monotonic() + CALL_POLL_S)
+                except StaleEpoch:
+                    return None
+                if outputs is not None:
+                    return outputs if hang_at is None else None
+                now = time.monotonic()
+                for deadline, item in zip(due, items):
+                    if deadline is not None and deadline <= now and item.is_live():
+                        item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage "
+                                                   f"{self.stage.stage_id}; its call was left to finish"))
+                if hang_at is None and not any(item.is_live() for item in items):
+                    self._epoch += 1
+                    client.fence(self._epoch)
+                    self.fenced_calls += 1
+                    kept = [item.keep_admission() for item in {item.request_id: item for item in items}.values()]
+                    hang_at = now + self.hang_grace_s
+                elif hang_at is not None and now >= hang_at:
+                    raise WorkerTimeout(f"worker {client.pid}: call {call_id} not answered within "
+                                        f"{self.hang_grace_s:g} s after it was fenced; the worker is hung")
+        finally:
+            for release in kept:
+                release()
 
     def _call_each(self, entries: list[Queued]) -> bool:
         """One call per entry; if the replica retires meanwhile, the entries not yet run go back

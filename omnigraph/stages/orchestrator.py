@@ -166,6 +166,9 @@ class _WorkItem:
     def fail(self, error: BaseException) -> None:
         self.request.reject(error)
 
+    def keep_admission(self) -> Callable[[], None]:
+        return self._orchestrator._keep_slot()
+
 
 class AdmissionHold:
     """Queue slots set aside for a group of requests admitted as a unit (a batch route): requests
@@ -209,7 +212,9 @@ class Orchestrator:
         self.max_queued_requests = max_queued_requests
         self._chain: Sequence[Stage] = runtime.ordered_stages
         self._active: dict[str, RequestState] = {}
-        self._held = 0  # slots set aside by AdmissionHolds, not yet taken by their requests
+        # slots counted beside the admitted requests: set aside by AdmissionHolds and not yet taken,
+        # or kept by fenced calls still running for requests already gone
+        self._held = 0
         for stage in self._chain:
             stage.count_admissions(self._active.__len__)
         self._lock = threading.Lock()
@@ -221,8 +226,23 @@ class Orchestrator:
     @property
     def queue_depth(self) -> int:
         """Admitted requests not yet acknowledged (queued, running or holding a result), plus the
-        slots held for requests about to be admitted as a unit."""
+        slots held for requests about to be admitted as a unit and by fenced calls still running."""
         return len(self._active) + self._held
+
+    def _keep_slot(self) -> Callable[[], None]:
+        """One queue slot for a fenced call still running (WorkItem.keep_admission); the returned
+        function gives it back, once."""
+        with self._lock:
+            self._held += 1
+        kept = [True]
+
+        def release() -> None:
+            with self._lock:
+                if kept:
+                    kept.clear()
+                    self._held -= 1
+
+        return release
 
     def hold(self, slots: int) -> AdmissionHold:
         """Set `slots` queue slots aside at once, for requests to be admitted as a unit (each with

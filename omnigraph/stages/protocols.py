@@ -28,6 +28,11 @@ class WorkItem(Protocol):
     def complete(self, outputs: dict[str, np.ndarray], seconds: float) -> None: ...
     def fail(self, error: BaseException) -> None: ...
 
+    def keep_admission(self) -> Callable[[], None]:
+        """The request is gone but its call still runs (fenced): keep a queue slot for it until the
+        call ends, so admission counts what the workers are busy with; returns what gives it back."""
+        ...
+
 
 class Stage(Protocol):
     """A started stage of the chain: takes work items, says whether it can serve, stops."""

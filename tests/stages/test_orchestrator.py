@@ -159,10 +159,10 @@ def test_cancelling_the_consumer_aborts_the_request(make_plan, engine):
             with pytest.raises(asyncio.CancelledError):
                 await task
             await engine.until(lambda: any(r["fenced_calls"] for r in engine.replicas(omni)), "the call fenced")
-            return [r["state"] for r in engine.replicas(omni)], omni.queue_depth()
+            await engine.until(lambda: omni.queue_depth() == 0, "the fenced call ends and gives its slot back")
+            return [r["state"] for r in engine.replicas(omni)]
 
-    states, depth = asyncio.run(main())
-    assert states == ["serving", "serving"] and depth == 0
+    assert asyncio.run(main()) == ["serving", "serving"]
 
 
 def test_omni_batches_beyond_the_admission_bound(make_plan):
@@ -303,3 +303,30 @@ def test_a_request_admitted_with_on_ready_is_finished_by_whoever_receives_it(mak
         assert isinstance(failing.error, DeadlineExceeded) and len(finished_on) == 1
     finally:
         runtime.shutdown()
+
+
+def test_a_fenced_call_keeps_its_admission_until_it_ends(make_plan, engine):
+    """The seed contract (DESIGN.md "Wire"): a request gone while its call runs leaves at once, but
+    its slot stays counted until the worker is done with the call, so admission never promises a
+    busy worker to more requests than the bound."""
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("slow", capacity=100, demand=10, restart=NO_RESTART)) as omni:
+            task = asyncio.create_task(engine.first(omni, MEDIUM, "gone"))
+            await engine.until_in_flight(omni, "gone")
+            (replica,) = engine.replicas(omni)
+            os.kill(replica["pid"], signal.SIGSTOP)  # the call cannot end while we look
+            try:
+                await omni.abort("gone")
+                with pytest.raises(RequestCancelled):
+                    await task
+                await engine.until(lambda: engine.replicas(omni)[0]["fenced_calls"] == 1, "the call is fenced")
+                while_running = omni.queue_depth()
+            finally:
+                os.kill(replica["pid"], signal.SIGCONT)
+            await engine.until(lambda: omni.queue_depth() == 0, "the fenced call ends and gives its slot back")
+            after = await engine.first(omni, SMALL, "after")
+            return while_running, after, engine.replicas(omni)[0]
+
+    while_running, after, replica = asyncio.run(main())
+    assert while_running == 1
+    assert after.custom_output["h200"].shape == (4, 4) and replica["state"] == "serving"
