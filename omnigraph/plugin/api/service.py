@@ -42,8 +42,6 @@ class DecisionEngine(Protocol):
 
     def hold(self, slots: int) -> Any: ...
 
-    async def abort(self, request_id: str) -> None: ...
-
     def audit(self) -> dict: ...
 
     @property
@@ -215,52 +213,43 @@ class DecisionService:
                      deadline_s: float | None = None, hold: Any = None) -> Decision:
         """Run one request to its final output within the deadline (queueing included).
 
-        A deadline, a client disconnect (cancellation of this coroutine) or any failure aborts the
-        request in the engine, so its queue slot and reservations are freed at once. `deadline_s`
-        None means the server's deadline.
+        A deadline or a client disconnect (cancellation of this coroutine) aborts the request in the
+        engine (inside `generate`), so its queue slot and reservations are freed at once; a failure
+        has already finished it. `deadline_s` None means the server's deadline.
         """
         limit = self.deadline_s if deadline_s is None else deadline_s
-        finished = False
+        final = None
         try:
             async with asyncio.timeout(limit):
-                final = None
+                # Read to the end: the one finished output, then advancing past it acknowledges it.
+                # A cancellation here (a deadline, a disconnect) aborts the request inside generate.
                 async for output in self._started_engine.generate(prompt, request_id=request_id, deadline_s=limit,
                                                                   hold=hold):
-                    if output.error is not None:
-                        raise ApiError(500, f"request failed in stage {output.stage_id}: {output.error}",
-                                       code="stage_error")
-                    if output.finished:
-                        final = output
-                if final is None:
-                    raise ApiError(500, "the pipeline ended without a final output", code="stage_error")
-            finished = True
+                    final = output
         except TimeoutError:
             raise ApiError(504, f"request exceeded its deadline of {limit:g} s", code="deadline_exceeded") from None
-        except DeadlineExceeded as exc:
-            raise ApiError(504, str(exc), code="deadline_exceeded") from None
-        except RequestInvalid as exc:
-            raise ApiError(422, exc.message, code="invalid_request", field=exc.field) from None
-        except ResourceUnavailable as exc:
-            raise ApiError(503, str(exc), code="queue_full",
-                           headers=_retry_after(exc.retry_after)) from None
-        except StageUnavailable as exc:
-            if exc.retry_after is None:
-                raise ApiError(503, f"stage failed: {exc}", code="pipeline_failed") from None
-            raise ApiError(503, str(exc), code="stage_recovering",
-                           headers=_retry_after(exc.retry_after)) from None
-        except PipelineClosed as exc:
-            raise ApiError(503, f"stage failed: {exc}", code="pipeline_failed") from None
-        except RequestCancelled as exc:
-            raise ApiError(503, str(exc), code="cancelled") from None
-        except ApiError:
-            raise
-        except Exception as exc:  # a worker or stage failure the engine did not classify
-            failure = self.health_failure()
-            if failure is not None:
-                raise ApiError(503, failure, code="pipeline_failed") from None
-            logger.exception("request %s failed", request_id)
-            raise ApiError(500, f"request failed: {type(exc).__name__}: {exc}", code="internal_error") from None
-        finally:
-            if not finished:
-                await self._started_engine.abort(request_id)
+        except Exception as exc:
+            raise self._api_error(exc, request_id) from None
+        assert final is not None, "generate yields the finished output or raises"
         return Decision(final.custom_output, final.stage_durations)
+
+    def _api_error(self, exc: Exception, request_id: str) -> ApiError:
+        """The answer to a request the engine failed: what the client can act on, 500 only for a
+        failure the engine did not classify while the pipeline is healthy."""
+        if isinstance(exc, DeadlineExceeded):
+            return ApiError(504, str(exc), code="deadline_exceeded")
+        if isinstance(exc, RequestInvalid):
+            return ApiError(422, exc.message, code="invalid_request", field=exc.field)
+        if isinstance(exc, ResourceUnavailable):
+            return ApiError(503, str(exc), code="queue_full", headers=_retry_after(exc.retry_after))
+        if isinstance(exc, StageUnavailable) and exc.retry_after is not None:
+            return ApiError(503, str(exc), code="stage_recovering", headers=_retry_after(exc.retry_after))
+        if isinstance(exc, StageUnavailable | PipelineClosed):
+            return ApiError(503, f"stage failed: {exc}", code="pipeline_failed")
+        if isinstance(exc, RequestCancelled):
+            return ApiError(503, str(exc), code="cancelled")
+        failure = self.health_failure()
+        if failure is not None:
+            return ApiError(503, failure, code="pipeline_failed")
+        logger.error("request %s failed", request_id, exc_info=exc)
+        return ApiError(500, f"request failed: {type(exc).__name__}: {exc}", code="internal_error")
