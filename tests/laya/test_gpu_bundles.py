@@ -36,7 +36,7 @@ REQUESTS = [
 # Drift allowed against fp32 on the CPU, on any number of an answer: fp32 on CUDA (TF32 off, see
 # workers/session.py) differs only in summation order; bf16 projections carry issue 4's 0.002. The
 # fast bundle misses issue 7's 0.002 (0.0035 here on the H200, 0.0059 on the full checkpoint, in
-# benchmarks/results/laya-gpu-h200.md): this bound only guards against regressions.
+# benchmarks/results/RESULTS.md#laya-gpu-h200): this bound only guards against regressions.
 TOLERANCE = {"fp32": 1e-4, "bf16": 2e-3, "fast": 5e-3}
 
 
