@@ -52,7 +52,7 @@ from omnigraph.stages.errors import DeadlineExceeded, StageStartupError, StageUn
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.stages.monitor import StageMonitor
-from omnigraph.stages.protocols import HandoffFunc, WorkItem
+from omnigraph.stages.protocols import HandoffFunc, WorkItem, still_wanted
 from omnigraph.stages.restarts import RestartBudget
 from omnigraph.stages.tensors import InputSpec
 from omnigraph.workers.client import WorkerClient
@@ -234,18 +234,7 @@ class GraphReplica:
 
     def _admit(self, batch: list[Queued]) -> list[Queued]:
         """The batch's entries still worth a call: cancelled ones are dropped, late ones failed."""
-        admitted = []
-        for entry in batch:
-            item: WorkItem = entry.item
-            if not item.is_live():
-                continue
-            remaining = item.remaining()
-            if remaining is not None and remaining <= 0:
-                item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage "
-                                           f"{self.stage.stage_id}"))
-                continue
-            admitted.append(entry)
-        return admitted
+        return [entry for entry in batch if still_wanted(entry.item, self.stage.stage_id)]
 
     def _call(self, entries: list[Queued]) -> bool:
         """One worker call for `entries`; False once the replica retired. A merged call the worker

@@ -47,7 +47,7 @@ from omnigraph.stages.errors import (
 )
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
-from omnigraph.stages.protocols import HandoffFunc, WorkItem
+from omnigraph.stages.protocols import HandoffFunc, WorkItem, still_wanted
 from omnigraph.stages.tensors import InputSpec
 
 if TYPE_CHECKING:
@@ -270,12 +270,7 @@ class NativeReplica:
 
     async def _run(self, key: int, item: WorkItem) -> None:
         """Pool the item's prompts; complete or fail it. Runs on the engine's loop."""
-        if not item.is_live():
-            return
-        remaining = item.remaining()
-        if remaining is not None and remaining <= 0:
-            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed before stage "
-                                       f"{self.stage.stage_id} started it"))
+        if not still_wanted(item, self.stage.stage_id):
             return
         try:
             prompts = split_prompts(item.tensors, self.max_model_len)
@@ -286,7 +281,7 @@ class NativeReplica:
         started = time.perf_counter()
         finished = False
         try:
-            async with asyncio.timeout(remaining):
+            async with asyncio.timeout(item.remaining()):
                 states = await asyncio.gather(*(self._pool(rid, ids) for rid, ids in zip(request_ids, prompts)))
             finished = True
         except TimeoutError:

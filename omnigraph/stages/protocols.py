@@ -11,6 +11,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from omnigraph.stages.errors import DeadlineExceeded
 from omnigraph.stages.tensors import InputSpec
 
 # (outputs of earlier stages by stage id, the request's own tensors) -> {"tensors": {...}} for the next
@@ -32,6 +33,18 @@ class WorkItem(Protocol):
         """The request is gone but its call still runs (fenced): keep a queue slot for it until the
         call ends, so admission counts what the workers are busy with; returns what gives it back."""
         ...
+
+
+def still_wanted(item: WorkItem, stage_id: int) -> bool:
+    """Whether a replica should still run `item`: not when its request is gone, and not when its
+    deadline passed while it was queued (then it fails here, with DeadlineExceeded)."""
+    if not item.is_live():
+        return False
+    remaining = item.remaining()
+    if remaining is not None and remaining <= 0:
+        item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage {stage_id}"))
+        return False
+    return True
 
 
 class Stage(Protocol):
