@@ -11,30 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
-import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from omnigraph import AsyncOmni
-from omnigraph.pipelines.laya.export import default_bundle
 
 from ..plugin.conftest import REFUND_REQUEST, ServerProcess
+from .plans import demo_plan
 
 ROUNDS = 100  # the issue's bar: a hundred overruns and a hundred hang-ups in a row
-
-
-@pytest.fixture
-def tmpdir_env() -> Iterator[Path]:
-    """A TMPDIR of the test's own, short enough for the workers' Unix socket paths (108 bytes)."""
-    folder = Path(tempfile.mkdtemp(prefix="og-"))
-    yield folder
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 def _serve(tmp_path: Path, tmpdir: Path, **env: str) -> ServerProcess:
@@ -61,6 +50,13 @@ def _wait_for(condition, what: str, timeout: float = 60.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"never happened: {what}"
         time.sleep(0.01)
+
+
+def _assert_a_new_generation_serves(server: ServerProcess, retired: int) -> None:
+    _wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, "a new generation serves")
+    (replacement,) = server.worker_pids()
+    assert replacement != retired
+    assert httpx.post(f"{server.url}/v1/systemone", json=REFUND_REQUEST, timeout=30).status_code == 200
 
 
 @pytest.mark.slow
@@ -100,11 +96,7 @@ def test_a_worker_killed_while_idle_turns_health_to_503_at_once_and_is_replaced(
         health = httpx.get(f"{server.url}/health")
         assert health.json()["status"] == "recovering" and "exited while idle" in health.json()["reason"]
         assert "Retry-After" in health.headers
-        # the replacement starts without any request asking for it
-        _wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, "the replacement serves")
-        (replacement,) = server.worker_pids()
-        assert replacement != worker
-        assert httpx.post(f"{server.url}/v1/systemone", json=REFUND_REQUEST, timeout=30).status_code == 200
+        _assert_a_new_generation_serves(server, worker)  # started without any request asking for it
     finally:
         server.stop()
     assert _worker_folders(tmpdir_env) == []
@@ -113,18 +105,7 @@ def test_a_worker_killed_while_idle_turns_health_to_503_at_once_and_is_replaced(
 def test_a_worker_silent_past_the_hang_bound_after_a_fence_is_replaced(tmp_path, tmpdir_env):
     """SIGSTOP: the request gets its 504 at its deadline; the fenced call's worker, still silent
     `hang_grace_s` later, is hung: it is killed (its exit verified) and a new generation serves."""
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(f"""\
-pipeline: laya
-stages:
-  - stage_id: 0
-    backend:
-      name: external.graph.v1
-      manifest: {default_bundle()}
-      route: {{name: local-cpu, ep: cpu}}
-      hang_grace_s: 0.5
-""")
-    server = ServerProcess(["--deploy-config", str(plan)], {"TMPDIR": str(tmpdir_env), "OMNIGRAPH_REQUEST_DEADLINE_S": "0.3"},
+    server = ServerProcess(["--deploy-config", str(demo_plan(tmp_path, hang_grace_s=0.5))], {"TMPDIR": str(tmpdir_env), "OMNIGRAPH_REQUEST_DEADLINE_S": "0.3"},
                            tmp_path / "server.log")
     try:
         server.wait_ready()
@@ -133,10 +114,7 @@ stages:
         late = httpx.post(f"{server.url}/v1/systemone", json=REFUND_REQUEST, timeout=30)
         assert late.status_code == 504, late.text
         _wait_for(lambda: not _alive(worker), "the hung worker is killed", 10)
-        _wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 200, "a new generation serves")
-        (replacement,) = server.worker_pids()
-        assert replacement != worker
-        assert httpx.post(f"{server.url}/v1/systemone", json=REFUND_REQUEST, timeout=30).status_code == 200
+        _assert_a_new_generation_serves(server, worker)
     finally:
         server.stop()
     assert _worker_folders(tmpdir_env) == []

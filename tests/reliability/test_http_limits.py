@@ -19,8 +19,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from omnigraph.pipelines.system_one.request import parse_request
 from omnigraph.pipelines.processor import RequestInvalid
+from omnigraph.pipelines.system_one.request import parse_request
 
 from ..serving import ServerProcess
 from .http_server import metric_samples, open_descriptors, start_server

@@ -17,33 +17,18 @@ import httpx
 import pytest
 
 from omnigraph import Omni
-from omnigraph.pipelines.laya.export import default_bundle
 from omnigraph.stages.errors import StageStartupError
 
 from ..plugin.conftest import REFUND_REQUEST, ServerProcess
-from .test_fault_model import _wait_for, _worker_folders, tmpdir_env  # noqa: F401 (a fixture)
+from .plans import demo_plan
+from .test_fault_model import _wait_for, _worker_folders
 
 REPLICAS = 20  # the finding's plan: a signal after 3 of 20 replicas started
 EXIT_BOUND_S = 2.0  # the issue's bound on exiting after a signal during startup
 
 
-def _plan(tmp_path: Path, replicas: int) -> Path:
-    plan = tmp_path / "plan.yaml"
-    plan.write_text(f"""\
-pipeline: laya
-stages:
-  - stage_id: 0
-    num_replicas: {replicas}
-    backend:
-      name: external.graph.v1
-      manifest: {default_bundle()}
-      route: {{name: local-cpu, ep: cpu}}
-""")
-    return plan
-
-
 def test_sigint_while_replicas_start_stops_starting_and_exits_at_once(tmp_path, tmpdir_env):
-    server = ServerProcess(["--deploy-config", str(_plan(tmp_path, REPLICAS))], {"TMPDIR": str(tmpdir_env)},
+    server = ServerProcess(["--deploy-config", str(demo_plan(tmp_path, replicas=REPLICAS))], {"TMPDIR": str(tmpdir_env)},
                            tmp_path / "server.log")
     try:
         _wait_for(lambda: len(server.worker_pids()) >= 3, "three replicas started", timeout=120)

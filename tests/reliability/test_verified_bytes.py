@@ -23,6 +23,7 @@ from omnigraph.workers.route import WorkerRoute
 from omnigraph.workers.session import describe, load_session
 
 from ..plugin.conftest import REFUND_REQUEST, ServerProcess
+from .plans import demo_plan
 
 WIDTH = 1 << 16  # 256 KiB of weights: large enough that ONNX Runtime would map the file
 
@@ -121,17 +122,7 @@ def test_weights_changed_under_a_running_server_turn_its_stage_unavailable_namin
     serve` are never served; the stage says why until the verified bytes are back."""
     served = tmp_path / "bundle"
     shutil.copytree(default_bundle(), served)
-    config = tmp_path / "plan.yaml"
-    config.write_text(f"""\
-pipeline: laya
-stages:
-  - stage_id: 0
-    backend:
-      name: external.graph.v1
-      manifest: {served / "manifest.json"}
-      route: {{name: local-cpu, ep: cpu}}
-      reverify_interval_s: 0.2
-""")
+    config = demo_plan(tmp_path, manifest=served / "manifest.json", reverify_interval_s=0.2)
     server = ServerProcess(["--deploy-config", str(config)], {}, tmp_path / "server.log")
     try:
         server.wait_ready()
