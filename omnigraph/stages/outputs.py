@@ -26,7 +26,7 @@ class OmniRequestOutput:
     error: str | None = None
     _release: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
-    def release_stage_buffers(self) -> None:
+    def acknowledge(self) -> None:
         """Acknowledge the result: the pipeline drops its hold on the request (and its admission slot).
 
         `AsyncOmni.generate` and `Omni.generate` do this themselves; callers of the orchestrator

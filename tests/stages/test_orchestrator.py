@@ -265,7 +265,7 @@ def test_a_result_holds_its_slot_until_acknowledged(make_plan, engine):
             output = await generator.__anext__()
             with pytest.raises(ResourceUnavailable):
                 await engine.first(omni, SMALL, "second")
-            output.release_stage_buffers()  # a direct user acknowledges; the generator would on advancing
+            output.acknowledge()  # a direct user acknowledges; the generator would on advancing
             assert omni.queue_depth() == 0
             await generator.aclose()
             return await engine.first(omni, SMALL, "third")
