@@ -195,11 +195,7 @@ def _parse_choice(crit: Any, path: str, limits: RequestLimits) -> tuple[tuple[An
     if not isinstance(crit, (dict, list)):
         raise RequestInvalid(path, "a choice question takes 'criteria' as an object of label -> "
                                    "description, or a list of labels")
-    if not crit:
-        raise RequestInvalid(path, "a choice question needs at least one option")
-    if len(crit) > limits.max_choice_options:
-        raise RequestTooLarge(path, f"too many choice options ({len(crit)} > "
-                                    f"{limits.max_choice_options})")
+    _check_count(crit, path, "choice", "option", limits.max_choice_options)
     labels = list(crit) if isinstance(crit, list) else list(crit.keys())
     # A label is an answer key twice over: as a Python value (1, 1.0 and True are one dict key)
     # and as the JSON object key it is printed as (1 and "1", true and "true" are one key there).
@@ -229,6 +225,14 @@ def _parse_choice(crit: Any, path: str, limits: RequestLimits) -> tuple[tuple[An
     return tuple(labels), tuple(options)
 
 
+def _check_count(criteria: dict | list, path: str, kind: str, unit: str, limit: int) -> None:
+    """A `kind` question lists at least one and at most `limit` of its `unit`s."""
+    if not criteria:
+        raise RequestInvalid(path, f"a {kind} question needs at least one {unit}")
+    if len(criteria) > limit:
+        raise RequestTooLarge(path, f"too many {kind} {unit}s ({len(criteria)} > {limit})")
+
+
 def _printed_key(label: str | float) -> str:
     """The JSON object key `label` becomes in `probabilities` (json.dumps writes non-string keys so)."""
     return label if isinstance(label, str) else json.dumps(label)
@@ -238,11 +242,7 @@ def _parse_score(crit: Any, path: str, limits: RequestLimits) -> tuple[str, ...]
     if not isinstance(crit, list):
         raise RequestInvalid(path, "a score question takes 'criteria' as a list of level "
                                    "descriptions, index 0 first")
-    if not crit:
-        raise RequestInvalid(path, "a score question needs at least one level")
-    if len(crit) > limits.max_score_levels:
-        raise RequestTooLarge(path, f"too many score levels ({len(crit)} > "
-                                    f"{limits.max_score_levels})")
+    _check_count(crit, path, "score", "level", limits.max_score_levels)
     for i, level in enumerate(crit):
         if level is None:
             raise RequestInvalid(f"{path}.{i}", "score level is null; give every level a "
