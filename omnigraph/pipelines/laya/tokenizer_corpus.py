@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
-from omnigraph.pipelines.system_one.corpus import generate_corpus
+from omnigraph.pipelines.system_one.corpus import generate_corpus, train_byte_level_bpe
 
 SPECIAL_TOKENS = ("[UNK]", "[CLS]", "[SEP]", "[PAD]", "[MASK]")
 # ModernBERT: vocab 50368, [UNK] 50280 ... [MASK] 50284, then 83 [unused] slots.
@@ -37,16 +37,7 @@ def train_tokenizer(seed: int, vocab_size: int) -> Tokenizer:
     """
     ids = special_token_ids(vocab_size)
     regular = vocab_size - SPECIALS_FROM_END
-    tokenizer = Tokenizer(models.BPE(unk_token=None))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=regular,
-        min_frequency=2,
-        show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tokenizer.train_from_iterator(generate_corpus(seed), trainer=trainer)
+    tokenizer = train_byte_level_bpe(generate_corpus(seed), regular)
     vocab = tokenizer.get_vocab()
     merges = json.loads(tokenizer.to_str())["model"]["merges"]
     for filler in range(len(vocab), regular):

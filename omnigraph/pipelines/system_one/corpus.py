@@ -9,8 +9,10 @@ noul option texts, JSON punctuation), generated syllable words, numbers and punc
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 __all__ = ["generate_corpus"]
 
@@ -60,3 +62,18 @@ def generate_corpus(seed: int, *, sentences: int = 20000) -> list[str]:
             line = json.dumps({words[0]: line, "id": i % 97, "ok": bool(i % 2)})
         lines.append(line)
     return lines
+
+
+def train_byte_level_bpe(lines: Iterable[str], vocab_size: int, *,
+                         normalizer: normalizers.Normalizer | None = None) -> Tokenizer:
+    """A byte-level BPE (no unknown token, merges of pairs seen at least twice) trained on `lines`:
+    the base both synthetic tokenizers (Laya's ModernBERT-style, the Qwen3 backbone's) build on."""
+    tokenizer = Tokenizer(models.BPE(unk_token=None))
+    if normalizer is not None:
+        tokenizer.normalizer = normalizer
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(lines, trainer=trainer)
+    return tokenizer
