@@ -37,7 +37,8 @@ def test_a_batch_of_64_on_an_idle_server_is_answered_whole_and_a_busy_queue_refu
                 thread.start()
             while (depth := server.metric("omnigraph_queue_depth")) < 100:
                 pass
-            refused = client.post("/v1/systemone/batch", json=_batch(64))
+            # its own connection: the singles hold all of the client's pool (100 connections)
+            refused = httpx.post(f"{server.url}/v1/systemone/batch", json=_batch(64), timeout=10)
             assert refused.status_code == 503 and "Retry-After" in refused.headers
             assert re.search(r"64 requests to admit as a unit, \d+ slots free \(max_queued_requests=128\)", refused.text)
             assert server.metric("omnigraph_queue_depth") <= depth  # the refused batch took nothing
