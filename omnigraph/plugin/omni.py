@@ -20,9 +20,7 @@ server's engine instead of starting its own.
 from __future__ import annotations
 
 import asyncio
-import functools
 import sys
-import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
@@ -44,8 +42,9 @@ from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 from omnigraph.stages.errors import ResourceUnavailable
 from omnigraph.stages.metrics import EngineMetrics
 from omnigraph.stages.native_stage import ServedEngine
-from omnigraph.stages.orchestrator import AdmissionHold, Orchestrator, RequestState
+from omnigraph.stages.orchestrator import AdmissionHold, Orchestrator
 from omnigraph.stages.outputs import OmniRequestOutput
+from omnigraph.stages.request_state import RequestState
 from omnigraph.stages.runtime import DEFAULT_STARTUP_TIMEOUT_S, StageRuntime
 from omnigraph.stages.startup import StartCancel
 from omnigraph.stages.tensor_processor import TensorProcessor
@@ -112,40 +111,6 @@ def _bundle_backbone(bundle: Path) -> dict[str, Any]:
     return backend
 
 
-class _ReadyRequests:
-    """Requests handed back by the replica threads to one event loop, which finishes them.
-
-    The first request of a burst schedules one drain on the loop and the rest join it, so the
-    requests of one batched call cost a single `call_soon_threadsafe` (one wake-up of the loop)
-    rather than one each, and the replica thread is free for its next call at once: the
-    processor's `finish` runs here, on the loop."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, orchestrator: Orchestrator) -> None:
-        self.loop = loop
-        self._orchestrator = orchestrator
-        self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Future[None], RequestState]] = []
-
-    def post(self, done: asyncio.Future[None], request: RequestState) -> None:
-        """From any thread: `request` is ready (or failed); `done` is set once it is finished."""
-        with self._lock:
-            self._pending.append((done, request))
-            if len(self._pending) > 1:  # a drain is already scheduled
-                return
-        try:
-            self.loop.call_soon_threadsafe(self._drain)
-        except RuntimeError:  # the loop was closed under its callers: no one waits for the answer
-            pass
-
-    def _drain(self) -> None:
-        with self._lock:
-            pending, self._pending = self._pending, []
-        for done, request in pending:
-            self._orchestrator.finish(request)
-            if not done.done():  # the awaiting task may have been cancelled meanwhile
-                done.set_result(None)
-
-
 class OmniBase:
     """Startup, introspection and shutdown shared by `Omni` and `AsyncOmni`."""
 
@@ -171,9 +136,10 @@ class OmniBase:
             )
             warmup_request = self.processor.warmup_request() if warmup else None
             if warmup_request is not None:
-                request = self.orchestrator.submit(warmup_request, request_id=f"warmup-{uuid.uuid4().hex}")
+                request = self.orchestrator.submit(warmup_request, request_id=f"warmup-{uuid.uuid4().hex}",
+                                                   deadline_s=startup_timeout)
                 try:
-                    request.wait(startup_timeout)
+                    request.wait()
                 finally:
                     self.orchestrator.acknowledge(request)
         except BaseException:
@@ -259,12 +225,8 @@ class OmniBase:
 class AsyncOmni(OmniBase):
     """The asyncio front: `generate` per request, `abort`, `shutdown`; also an async context manager.
 
-    Requests are finished (the processor's `finish`) on the event loop that called `generate`, so
-    the stages' replica threads only run worker calls and route their outputs."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._ready: _ReadyRequests | None = None  # of the event loop that last called generate
+    It only routes: a request is admitted with the calling event loop, the engine finishes it there
+    (its output step) and sets the future `generate` awaits."""
 
     async def generate(self, prompt: Mapping[str, Any], request_id: str | None = None, *,
                        deadline_s: float | None = None,
@@ -276,22 +238,15 @@ class AsyncOmni(OmniBase):
         consuming task aborts the request. The result is acknowledged when the generator advances
         or closes.
         """
-        loop = asyncio.get_running_loop()
-        ready = self._ready
-        if ready is None or ready.loop is not loop:
-            ready = self._ready = _ReadyRequests(loop, self.orchestrator)
-        done = loop.create_future()
-        request = self.orchestrator.submit(prompt, request_id=request_id, deadline_s=deadline_s,
-                                           on_ready=functools.partial(ready.post, done), hold=hold)
+        request = self.orchestrator.submit(prompt, request_id=request_id, deadline_s=deadline_s, hold=hold,
+                                           loop=asyncio.get_running_loop())
         try:
             try:
-                await done
+                result = await request.done
             except asyncio.CancelledError:
                 self.orchestrator.abort(request.request_id)
                 raise
-            if request.error is not None:
-                raise request.error
-            yield self._output(request, request.result)
+            yield self._output(request, result)
         finally:
             self.orchestrator.acknowledge(request)
 

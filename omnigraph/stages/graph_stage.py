@@ -7,9 +7,9 @@ queued. One call serves a batch of work items (see batching.py; one item unless 
 batches), packed and unpacked by the stage's batch adapter.
 
 The fault model (DESIGN.md "Wire"): a call cannot be pre-empted, so a request cancelled or past
-its deadline while its call runs does not kill the worker. The request fails at once (a deadline
-fails only the requests whose deadline passed; batch-mates complete); once no request of the call
-still waits, the call is *fenced*: the replica's epoch rises, the worker is told, and the late
+its deadline while its call runs does not kill the worker. The request fails at once, elsewhere
+(an abort, or the orchestrator's deadline watch; batch-mates complete); once no request of the call
+is live any more, the call is *fenced*: the replica's epoch rises, the worker is told, and the late
 reply is discarded when it comes. The worker is retired only when it dies, breaks the wire, or
 does not answer within `hang_grace_s` of its call being fenced (truly hung): then its reservation
 stays quarantined until the OS confirms the process is gone, every request of the call fails with
@@ -48,11 +48,11 @@ from omnigraph.stages.batching import (
     batch_axis_problem,
     combined,
 )
-from omnigraph.stages.errors import DeadlineExceeded, StageStartupError, StageUnavailable
+from omnigraph.stages.errors import StageStartupError, StageUnavailable
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.stages.monitor import StageMonitor
-from omnigraph.stages.protocols import HandoffFunc, WorkItem, still_wanted
+from omnigraph.stages.protocols import HandoffFunc, WorkItem
 from omnigraph.stages.restarts import RestartBudget
 from omnigraph.stages.tensors import InputSpec
 from omnigraph.workers.client import WorkerClient
@@ -70,8 +70,9 @@ EXIT_VERIFY_TIMEOUT_S = 10.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # a replica's worker gets this long to exit before it is killed
 # Why: a replacement worker starts and warms up within seconds; clients retry after about this long.
 REPLACEMENT_RETRY_AFTER_S = 1.0
-# Why: while a call runs, its replica looks this often for requests that were cancelled or whose
-# deadline passed (a cancellation is noticed within this, with no wake-up from the cancelling thread).
+# Why: while a call runs, its replica looks this often for requests that ended (cancelled, failed,
+# past their deadline): an ended request's call is fenced within this, with no wake-up from the
+# thread that ended it.
 CALL_POLL_S = 0.02
 # A worker refusing one request (bad input, an ORT error, outputs the wire cannot carry) stays
 # usable; these codes say so.
@@ -232,9 +233,10 @@ class GraphReplica:
             if entries and not self._call(entries):
                 return
 
-    def _admit(self, batch: list[Queued]) -> list[Queued]:
-        """The batch's entries still worth a call: cancelled ones are dropped, late ones failed."""
-        return [entry for entry in batch if still_wanted(entry.item, self.stage.stage_id)]
+    @staticmethod
+    def _admit(batch: list[Queued]) -> list[Queued]:
+        """The batch's entries still worth a call (a request may end while the batch forms)."""
+        return [entry for entry in batch if entry.item.is_live()]
 
     def _call(self, entries: list[Queued]) -> bool:
         """One worker call for `entries`; False once the replica retired. A merged call the worker
@@ -255,6 +257,8 @@ class GraphReplica:
                 self.stage.requeue(entries)
                 return False
             self._current = items
+        for item in items:
+            item.dispatched()
         self.stage.batch_stats.record_call(adapter.padded(combined(entries)), len({item.request_id for item in items}))
         started = time.perf_counter()
         try:
@@ -293,12 +297,10 @@ class GraphReplica:
     def _await_reply(self, items: Sequence[WorkItem], call_id: str) -> dict[str, np.ndarray] | None:
         """The call's outputs, or None once the call was fenced and its late reply discarded.
 
-        While waiting: a request whose deadline passes fails at once (DeadlineExceeded); once no
-        request of the call still waits, the call is fenced; a worker silent for `hang_grace_s`
-        after that raises WorkerTimeout (it is hung: the caller retires it)."""
+        While waiting: once no request of the call is live (cancelled, failed, past its deadline),
+        the call is fenced; a worker silent for `hang_grace_s` after that raises WorkerTimeout (it
+        is hung: the caller retires it)."""
         client = self.client
-        now = time.monotonic()
-        due = [None if (left := item.remaining()) is None else now + left for item in items]
         hang_at: float | None = None
         kept: list[Callable[[], None]] = []  # the fenced call's admission, until it ends
         try:
@@ -310,10 +312,6 @@ class GraphReplica:
                 if outputs is not None:
                     return outputs if hang_at is None else None
                 now = time.monotonic()
-                for deadline, item in zip(due, items):
-                    if deadline is not None and deadline <= now and item.is_live():
-                        item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage "
-                                                   f"{self.stage.stage_id}; its call was left to finish"))
                 if hang_at is None and not any(item.is_live() for item in items):
                     self._epoch += 1
                     client.fence(self._epoch)

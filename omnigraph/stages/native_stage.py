@@ -17,8 +17,9 @@ The engine is either
   plugin), used on that server's event loop (not owned: the server shuts it down). It must be a
   pooling engine of the same hidden size and dtype, checked before the stage serves.
 
-Cancellation aborts the item's vLLM requests (`engine.abort`) at once; a deadline passing does the
-same and fails the item with DeadlineExceeded. An engine that dies fails the stage for good.
+A request that ends while its item runs (an abort, its deadline: the orchestrator's `interrupt`)
+cancels the item's task, which aborts its vLLM requests (`engine.abort`) at once. An engine that
+dies fails the stage for good.
 """
 
 from __future__ import annotations
@@ -39,15 +40,10 @@ import numpy as np
 from omnigraph.bundles.defaults import DEFAULT_MAX_IO_BYTES
 from omnigraph.pipelines.config import StagePipelineConfig
 from omnigraph.pipelines.deploy import NativeBackendConfig, StageDeployConfig
-from omnigraph.stages.errors import (
-    DeadlineExceeded,
-    HandoffInvalid,
-    StageStartupError,
-    StageUnavailable,
-)
+from omnigraph.stages.errors import HandoffInvalid, StageStartupError, StageUnavailable
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
-from omnigraph.stages.protocols import HandoffFunc, WorkItem, still_wanted
+from omnigraph.stages.protocols import HandoffFunc, WorkItem
 from omnigraph.stages.tensors import InputSpec
 
 if TYPE_CHECKING:
@@ -270,8 +266,9 @@ class NativeReplica:
 
     async def _run(self, key: int, item: WorkItem) -> None:
         """Pool the item's prompts; complete or fail it. Runs on the engine's loop."""
-        if not still_wanted(item, self.stage.stage_id):
+        if not item.is_live():
             return
+        item.dispatched()
         try:
             prompts = split_prompts(item.tensors, self.max_model_len)
         except HandoffInvalid as exc:
@@ -281,13 +278,8 @@ class NativeReplica:
         started = time.perf_counter()
         finished = False
         try:
-            async with asyncio.timeout(item.remaining()):
-                states = await asyncio.gather(*(self._pool(rid, ids) for rid, ids in zip(request_ids, prompts)))
+            states = await asyncio.gather(*(self._pool(rid, ids) for rid, ids in zip(request_ids, prompts)))
             finished = True
-        except TimeoutError:
-            item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed inside stage "
-                                       f"{self.stage.stage_id}"))
-            return
         except Exception as exc:  # the engine refused or failed the requests
             if self.engine.dead:
                 self.stage.engine_died(f"vLLM engine failed: {type(exc).__name__}: {exc}")

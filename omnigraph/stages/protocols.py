@@ -11,7 +11,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from omnigraph.stages.errors import DeadlineExceeded
 from omnigraph.stages.tensors import InputSpec
 
 # (outputs of earlier stages by stage id, the request's own tensors) -> {"tensors": {...}} for the next
@@ -24,8 +23,14 @@ class WorkItem(Protocol):
     request_id: str
     tensors: Mapping[str, np.ndarray]
 
-    def is_live(self) -> bool: ...
-    def remaining(self) -> float | None: ...
+    def is_live(self) -> bool:
+        """Whether its request still wants it (not failed, cancelled or past its deadline)."""
+        ...
+
+    def dispatched(self) -> None:
+        """A call carrying it starts (where its request is, for the deadline's message)."""
+        ...
+
     def complete(self, outputs: dict[str, np.ndarray], seconds: float) -> None: ...
     def fail(self, error: BaseException) -> None: ...
 
@@ -33,18 +38,6 @@ class WorkItem(Protocol):
         """The request is gone but its call still runs (fenced): keep a queue slot for it until the
         call ends, so admission counts what the workers are busy with; returns what gives it back."""
         ...
-
-
-def still_wanted(item: WorkItem, stage_id: int) -> bool:
-    """Whether a replica should still run `item`: not when its request is gone, and not when its
-    deadline passed while it was queued (then it fails here, with DeadlineExceeded)."""
-    if not item.is_live():
-        return False
-    remaining = item.remaining()
-    if remaining is not None and remaining <= 0:
-        item.fail(DeadlineExceeded(f"request {item.request_id}: deadline passed while queued for stage {stage_id}"))
-        return False
-    return True
 
 
 class Stage(Protocol):

@@ -2,7 +2,6 @@
 
 import asyncio
 import os
-import queue
 import signal
 import threading
 
@@ -20,6 +19,7 @@ from omnigraph.stages.errors import (
     StageUnavailable,
 )
 from omnigraph.stages.orchestrator import Orchestrator
+from omnigraph.stages.request_state import Phase
 from omnigraph.stages.runtime import StageRuntime
 
 
@@ -183,6 +183,7 @@ def test_a_deadline_inside_a_call_fails_the_request_and_keeps_the_worker(make_pl
             try:
                 with pytest.raises(DeadlineExceeded, match="deadline passed inside stage 0; its call was left to finish"):
                     await engine.first(omni, SMALL, "late", deadline_s=2.0)
+                await engine.until(lambda: engine.replicas(omni)[0]["fenced_calls"] == 1, "the call fenced")
             finally:
                 os.kill(before["pid"], signal.SIGCONT)
             after = await engine.first(omni, SMALL, "after")
@@ -273,7 +274,7 @@ def test_a_result_holds_its_slot_until_acknowledged(make_plan, engine):
     assert asyncio.run(main()).request_id == "third"
 
 
-def test_a_request_admitted_with_on_ready_is_finished_by_whoever_receives_it(make_plan):
+def test_a_request_admitted_with_a_loop_is_finished_on_that_loop(make_plan):
     plan = make_plan("affine", "rename")
     runtime = StageRuntime(resolve_pipeline(plan), plan)
     runtime.start()
@@ -283,24 +284,26 @@ def test_a_request_admitted_with_on_ready_is_finished_by_whoever_receives_it(mak
         original_finish = processor.finish
         processor.finish = lambda prepared, outputs: finished_on.append(threading.get_ident()) or original_finish(prepared, outputs)
         orchestrator = Orchestrator(runtime, processor)
-        handed: queue.SimpleQueue = queue.SimpleQueue()
-        request = orchestrator.submit({"rows": [1, 2, 3]}, on_ready=handed.put)
-        assert handed.get(timeout=60) is request and not request.finished  # the replica thread did not finish it
-        orchestrator.finish(request)
-        assert request.result == [2.0, 4.0, 6.0] and finished_on == [threading.get_ident()]
 
-        # cancelled once handed over: its receiver's finish does nothing, and it is not handed over twice
-        late = orchestrator.submit({"rows": [5]}, on_ready=handed.put)
-        assert handed.get(timeout=60) is late
-        assert orchestrator.abort(late.request_id)
-        orchestrator.finish(late)
-        assert isinstance(late.error, RequestCancelled) and late.result is None and handed.empty()
+        async def main():
+            loop = asyncio.get_running_loop()
+            request = orchestrator.submit({"rows": [1, 2, 3]}, loop=loop)
+            assert await request.done == [2.0, 4.0, 6.0] and request.phase is Phase.SUCCEEDED
 
-        # a failure reaches the receiver the same way
-        failing = orchestrator.submit({"rows": [7]}, deadline_s=0.0, on_ready=handed.put)
-        assert handed.get(timeout=60) is failing
-        orchestrator.finish(failing)
-        assert isinstance(failing.error, DeadlineExceeded) and len(finished_on) == 1
+            # a failure reaches the caller's future the same way, and decoding never runs for it
+            late = orchestrator.submit({"rows": [5]}, deadline_s=0.0, loop=loop)
+            with pytest.raises(DeadlineExceeded, match="deadline passed"):
+                await late.done
+            assert late.phase is Phase.FAILED and late.result is None
+            return threading.get_ident()
+
+        loop_thread = asyncio.run(main())
+        assert finished_on == [loop_thread]  # the processor's finish ran on the loop, once
+
+        # without a loop, the thread that completes the outputs finishes it; wait() blocks for it
+        blocking = orchestrator.submit({"rows": [4]})
+        assert blocking.wait(60) == [8.0] and finished_on[-1] != threading.get_ident()
+        orchestrator.close()
     finally:
         runtime.shutdown()
 

@@ -2,8 +2,8 @@
 
 The routes never touch the engine directly. `DecisionService` starts it (off the event loop),
 runs the processor's real warmup request before declaring readiness, runs each request under a
-deadline that includes queueing, aborts what is cancelled or late so its slot is freed, and turns
-engine exceptions into `ApiError`s with the statuses the HTTP contract names.
+deadline that includes queueing (the engine keeps it), aborts what is cancelled so its slot is
+freed, and turns engine exceptions into `ApiError`s with the statuses the HTTP contract names.
 """
 
 from __future__ import annotations
@@ -213,21 +213,18 @@ class DecisionService:
                      deadline_s: float | None = None, hold: Any = None) -> Decision:
         """Run one request to its final output within the deadline (queueing included).
 
-        A deadline or a client disconnect (cancellation of this coroutine) aborts the request in the
-        engine (inside `generate`), so its queue slot and reservations are freed at once; a failure
-        has already finished it. `deadline_s` None means the server's deadline.
+        The engine keeps the deadline (its deadline watch fails the request with DeadlineExceeded,
+        a 504); a client disconnect cancels this coroutine, which aborts the request inside
+        `generate`, so its queue slot and reservations are freed at once. `deadline_s` None means
+        the server's deadline.
         """
-        limit = self.deadline_s if deadline_s is None else deadline_s
         final = None
         try:
-            async with asyncio.timeout(limit):
-                # Read to the end: the one finished output, then advancing past it acknowledges it.
-                # A cancellation here (a deadline, a disconnect) aborts the request inside generate.
-                async for output in self._started_engine.generate(prompt, request_id=request_id, deadline_s=limit,
-                                                                  hold=hold):
-                    final = output
-        except TimeoutError:
-            raise ApiError(504, f"request exceeded its deadline of {limit:g} s", code="deadline_exceeded") from None
+            # Read to the end: the one finished output, then advancing past it acknowledges it.
+            async for output in self._started_engine.generate(
+                    prompt, request_id=request_id, deadline_s=self.deadline_s if deadline_s is None else deadline_s,
+                    hold=hold):
+                final = output
         except Exception as exc:
             raise self._api_error(exc, request_id) from None
         assert final is not None, "generate yields the finished output or raises"
