@@ -118,7 +118,8 @@ def route_fields(spin_wait_us: int | None) -> dict[str, Any]:
     return fields
 
 
-def bare_worker(manifest: Path, requests: int, spin_wait_us: int | None, *, socket_only: bool = False) -> dict[str, float]:
+def bare_worker(manifest: Path, requests: int, spin_wait_us: int | None, *,
+                socket_only: bool = False) -> dict[str, float]:
     """WorkerClient.run back to back: the wire alone (`socket_only`: a route without the mailbox)."""
     route = WorkerRoute(**route_fields(spin_wait_us), **({"mailbox_bytes": 0} if socket_only else {}))
     with WorkerClient.start(route, generation=1) as client:
