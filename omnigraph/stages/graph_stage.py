@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -51,10 +51,11 @@ from omnigraph.stages.batching import (
 from omnigraph.stages.errors import StageStartupError, StageUnavailable
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
+from omnigraph.stages.metrics import BatchMetrics, ReplicaMetrics, StageMetrics
 from omnigraph.stages.monitor import StageMonitor
-from omnigraph.stages.protocols import HandoffFunc, WorkItem
+from omnigraph.stages.protocols import HandoffFunc, Stage, WorkItem
 from omnigraph.stages.restarts import RestartBudget
-from omnigraph.stages.tensors import InputSpec
+from omnigraph.stages.tensors import InputSpec, input_specs
 from omnigraph.workers.client import WorkerClient
 from omnigraph.workers.errors import CallRefused, RemoteError, WorkerTimeout
 from omnigraph.workers.reports import LoadReport
@@ -63,8 +64,20 @@ from omnigraph.workers.wire import StaleEpoch
 
 logger = logging.getLogger("omnigraph.stages")
 Launched = list[tuple[WorkerClient, Reservation]]
-# (stage, slot, restarts, launched) -> a started replica for the slot (StageRuntime._start_replacement)
-StartReplacement = Callable[["GraphStage", int, int, Launched], "GraphReplica"]
+
+
+class WorkerLauncher(Protocol):
+    """Starts a graph stage's workers (StageRuntime: it owns the generations, the startup timeout,
+    the start's cancellation and the unwinding of what a failed start left)."""
+
+    def start_replica(self, stage: GraphStage, replica: int, reservation: Reservation, launched: Launched, *,
+                      restarts: int = 0) -> GraphReplica:
+        """Start, load and warm up one worker charged to `reservation`."""
+        ...
+
+    def start_replacement(self, stage: GraphStage, slot: int, restarts: int, launched: Launched) -> GraphReplica:
+        """A new generation for a retired slot, with its own reservation; all given back on failure."""
+        ...
 
 EXIT_VERIFY_TIMEOUT_S = 10.0
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0  # a replica's worker gets this long to exit before it is killed
@@ -368,7 +381,7 @@ class GraphStage:
     """A graph stage's serving state: its replica slots, the queue they share, its restarts."""
 
     def __init__(self, config: StagePipelineConfig, deploy: StageDeployConfig, bundle: VerifiedBundle,
-                 route: WorkerRoute, start_replacement: StartReplacement) -> None:
+                 route: WorkerRoute, launcher: WorkerLauncher) -> None:
         self.config = config
         self.deploy = deploy
         self.bundle = bundle
@@ -390,7 +403,7 @@ class GraphStage:
         self._replacing: set[int] = set()         # slots whose replacement is due or starting
         self._launches: list[Launched] = []        # workers being started by replacements
         self._threads: list[threading.Thread] = []
-        self._start_replacement = start_replacement
+        self._launcher = launcher
         self._closing = threading.Event()
         self._lock = threading.Lock()
         self.monitor: StageMonitor | None = None  # set by the runtime once the stage serves
@@ -403,18 +416,53 @@ class GraphStage:
         """A free replica waits for batch-mates only while other requests are admitted."""
         self.queue.admitted_requests = admitted
 
+    # -- the runtime's lifecycle (protocols.ServingStage) -------------------------------------------
+
+    def bind(self, verified: Sequence[VerifiedBundle]) -> None:
+        """Nothing: a graph stage runs its own verified bundle."""
+
+    def start_replica(self, replica: int, reservation: Reservation, ledger: ResourceLedger,
+                      launched: Launched) -> None:
+        self.replicas.append(self._launcher.start_replica(self, replica, reservation, launched))
+
+    def loaded(self) -> None:
+        """Every replica started: the inputs the bundle declares, and a declared `max_batch_rows`
+        the loaded bundle's I/O cannot honour refused."""
+        self.input_specs = input_specs(self.replicas[0].load_report)
+        max_rows = self.queue.limits.max_rows
+        if max_rows > 1 and (problem := batch_axis_problem(self.replicas[0].load_report)):
+            raise StageStartupError(self.stage_id, 0, f"max_batch_rows={max_rows} is declared but "
+                                    f"calls of {self.bundle.manifest.component} cannot be merged: {problem}")
+
+    def check_consumer(self, following: Stage) -> None:
+        """Nothing: a graph stage's outputs are checked against the next stage's inputs per request."""
+
+    def abort_start(self, timeout: float) -> None:
+        """Nothing: the runtime unwinds the workers a failed start launched."""
+
+    def start_serving(self, monitor: StageMonitor) -> None:
+        """Every replica's thread starts; the monitor watches the workers and re-verifies the bundle."""
+        self.monitor = monitor
+        for replica in self.replicas:
+            self.serve(replica)
+        if self.deploy.reverify_interval_s is not None:
+            monitor.every(self.deploy.reverify_interval_s, self.check_bundle)
+
+    def metrics(self) -> StageMetrics:
+        state, reason = self.status()
+        replicas = list(self.replicas)
+        return StageMetrics(
+            self.stage_id, self.config.execution_type.value, state, reason, self.deploy.num_replicas,
+            sum(r.serving for r in replicas), self.restart_budget.spent,
+            tuple(ReplicaMetrics(r.replica, r.client.generation, r.state, r.restarts, r.calls, r.items,
+                                 r.fenced_calls) for r in replicas),
+            BatchMetrics.from_stats(self.batch_stats.snapshot()))
+
     def serve(self, replica: GraphReplica) -> None:
         """Start a replica's thread, its worker's exit watched by the monitor."""
         replica.start_serving()
         if self.monitor is not None:
             self.monitor.watch_exit(replica.client.pid, lambda: self.worker_exited(replica))
-
-    def check_batching(self) -> None:
-        """Refuse a declared `max_batch_rows` the loaded bundle's I/O cannot honour."""
-        max_rows = self.queue.limits.max_rows
-        if max_rows > 1 and (problem := batch_axis_problem(self.replicas[0].load_report)):
-            raise StageStartupError(self.stage_id, 0, f"max_batch_rows={max_rows} is declared but "
-                                    f"calls of {self.bundle.manifest.component} cannot be merged: {problem}")
 
     def submit(self, item: Any) -> None:
         """Queue a work item for the next free replica; fails fast while no replica is live."""
@@ -571,7 +619,7 @@ class GraphStage:
                     break
                 self._launches.append(launched)
             try:
-                replica = self._start_replacement(self, slot, restarts, launched)
+                replica = self._launcher.start_replacement(self, slot, restarts, launched)
             except Exception as exc:  # refused reservation, start, load or warmup: counts as a restart
                 logger.warning("stage %d: replacement of replica %d failed: %s", self.stage_id, slot, exc)
                 with self._lock:

@@ -29,7 +29,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +43,9 @@ from omnigraph.pipelines.deploy import NativeBackendConfig, StageDeployConfig
 from omnigraph.stages.errors import HandoffInvalid, StageStartupError, StageUnavailable
 from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
-from omnigraph.stages.protocols import HandoffFunc, WorkItem
+from omnigraph.stages.metrics import ReplicaMetrics, StageMetrics
+from omnigraph.stages.monitor import StageMonitor
+from omnigraph.stages.protocols import HandoffFunc, Stage, WorkItem
 from omnigraph.stages.tensors import InputSpec
 
 if TYPE_CHECKING:
@@ -367,16 +369,24 @@ class NativeStage:
     def count_admissions(self, admitted: Callable[[], int]) -> None:
         """vLLM batches by itself: the stage does not wait for batch-mates."""
 
-    def bind_verified_bundle(self, bundles: list[VerifiedBundle]) -> None:
+    # -- the runtime's lifecycle (protocols.ServingStage) -------------------------------------------
+
+    @property
+    def bundle(self) -> None:
+        """A native stage runs no bundle of its own (`verified_by` holds the one its model is in)."""
+        return None
+
+    def bind(self, verified: Sequence[VerifiedBundle]) -> None:
         """Note the verified bundle whose files hold the model folder (its every file is then hashed)."""
-        for bundle in bundles:
+        for bundle in verified:
             if self.backend.model.is_relative_to(Path(bundle.root).resolve()):
                 self.verified_by = bundle
                 return
 
-    def start(self, reservation: Reservation, ledger: ResourceLedger) -> None:
+    def start_replica(self, replica: int, reservation: Reservation, ledger: ResourceLedger,
+                      launched: list[Any]) -> None:
         """Start (within the backend's `startup_timeout_s`) or attach to the served engine under
-        `reservation`; checks the engine fits."""
+        `reservation`; checks the engine fits. (Its one replica is no worker: `launched` stays as it is.)"""
         timeout = self.backend.startup_timeout_s
         if self._served is not None:
             engine = PoolingEngine.served(self._served)
@@ -389,15 +399,36 @@ class NativeStage:
             engine.close(timeout)
             raise
 
-    def check_consumer(self, specs: Mapping[str, InputSpec], consumer_id: int) -> None:
+    def loaded(self) -> None:
+        """Nothing: the inputs are the fixed NATIVE_INPUT_SPECS."""
+
+    def check_consumer(self, following: Stage) -> None:
         """Refuse a next stage whose declared `hidden_states` input does not take this engine's rows."""
-        spec = specs.get(HIDDEN_STATES)
+        spec = following.input_specs.get(HIDDEN_STATES)
         hidden_size = self.replicas[0].hidden_size
         if spec is None or spec.dtype != np.float32 or len(spec.shape) != 2 or spec.shape[1] not in (None, hidden_size):
             declared = "no hidden_states input" if spec is None else f"hidden_states {spec.describe()}"
-            raise NativeStageError(self.stage_id, 0, f"stage {consumer_id} declares {declared}; this engine "
+            raise NativeStageError(self.stage_id, 0, f"stage {following.stage_id} declares {declared}; this engine "
                                    f"({self.replicas[0].describe()['served_model']}) returns hidden_states "
                                    f"float32[P, {hidden_size}]")
+
+    def abort_start(self, timeout: float) -> None:
+        """A start that failed elsewhere: close the engine this stage started."""
+        self.stop(timeout)
+
+    def start_serving(self, monitor: StageMonitor) -> None:
+        """Nothing to start: the engine serves from its start (and is never replaced)."""
+
+    def metrics(self) -> StageMetrics:
+        """Each pooled item counts as one engine call; a native engine is never replaced."""
+        state, reason = self.status()
+        replicas = list(self.replicas)
+        return StageMetrics(
+            self.stage_id, self.config.execution_type.value, state, reason, self.deploy.num_replicas,
+            sum(r.serving for r in replicas) if self.failure is None else 0, 0,
+            tuple(ReplicaMetrics(r.replica, None, "serving" if r.serving else "retired", 0, r.items, r.items, 0)
+                  for r in replicas),
+            None)
 
     def submit(self, item: WorkItem) -> None:
         self.check_available()

@@ -6,12 +6,19 @@ runtime's business when it builds the chain, nobody else's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from omnigraph.pipelines.deploy import StageDeployConfig
+from omnigraph.stages.ledger import Reservation, ResourceLedger
+from omnigraph.stages.metrics import StageMetrics
+from omnigraph.stages.monitor import StageMonitor
 from omnigraph.stages.tensors import InputSpec
+
+if TYPE_CHECKING:
+    from omnigraph.bundles import VerifiedBundle
 
 # (outputs of earlier stages by stage id, the request's own tensors) -> {"tensors": {...}} for the next
 HandoffFunc = Callable[[Mapping[int, Mapping[str, np.ndarray]], Mapping[str, np.ndarray]], Mapping[str, Any]]
@@ -77,3 +84,48 @@ class Stage(Protocol):
     def stop_replacing(self) -> None: ...
 
     def stop(self, timeout: float) -> None: ...
+
+
+class ServingStage(Stage, Protocol):
+    """What the runtime does with a stage from its start to its shutdown (graph_stage.GraphStage,
+    native_stage.NativeStage); the orchestrator sees only `Stage`. The runtime calls, in order:
+    `bind` for every stage, `start_replica` for every replica of every stage (all reserved at
+    once beforehand), `loaded` for every stage, `check_consumer` for every stage but the last,
+    then `start_serving`; `abort_start` when any of it failed."""
+
+    deploy: StageDeployConfig
+
+    @property
+    def bundle(self) -> VerifiedBundle | None:
+        """The verified bundle the stage runs (None: it runs none of its own)."""
+        ...
+
+    def bind(self, verified: Sequence[VerifiedBundle]) -> None:
+        """Before any start: every graph stage's verified bundle (where a native stage's model is)."""
+        ...
+
+    def start_replica(self, replica: int, reservation: Reservation, ledger: ResourceLedger,
+                      launched: list[Any]) -> None:
+        """Start one replica under its reservation; a worker process started joins `launched` (to
+        be unwound if the start fails)."""
+        ...
+
+    def loaded(self) -> None:
+        """Every replica started: settle what the loaded replicas say (inputs, batching)."""
+        ...
+
+    def check_consumer(self, following: Stage) -> None:
+        """Refuse a next stage whose inputs cannot take this stage's outputs."""
+        ...
+
+    def abort_start(self, timeout: float) -> None:
+        """The start failed: stop what this stage started that the runtime does not unwind."""
+        ...
+
+    def start_serving(self, monitor: StageMonitor) -> None:
+        """Take work from now on, the monitor watching what needs watching."""
+        ...
+
+    def metrics(self) -> StageMetrics:
+        """The stage's counters as a typed record (what `/metrics` exports)."""
+        ...

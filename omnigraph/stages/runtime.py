@@ -41,11 +41,11 @@ from omnigraph.stages.graph_stage import (
     worker_route,
 )
 from omnigraph.stages.ledger import Reservation, ResourceLedger
-from omnigraph.stages.metrics import BatchMetrics, EngineMetrics, LedgerMetrics, ReplicaMetrics, StageMetrics
+from omnigraph.stages.metrics import EngineMetrics, LedgerMetrics
 from omnigraph.stages.monitor import StageMonitor
 from omnigraph.stages.native_stage import NativeStage, ServedEngine
+from omnigraph.stages.protocols import ServingStage
 from omnigraph.stages.startup import StartCancel
-from omnigraph.stages.tensors import input_specs
 from omnigraph.workers.client import WorkerClient
 
 
@@ -60,7 +60,7 @@ class StageRuntime:
         self.ledger = ledger if ledger is not None else ResourceLedger()
         self.startup_timeout = startup_timeout
         self.served_engine = served_engine
-        self.stages: dict[int, GraphStage | NativeStage] = {}
+        self.stages: dict[int, ServingStage] = {}
         self._generations = itertools.count(1)
         self._closed = False
         self._monitor: StageMonitor | None = None
@@ -69,23 +69,22 @@ class StageRuntime:
         self.cancel.bind(self._kill_starting)
 
     @property
-    def ordered_stages(self) -> list[GraphStage | NativeStage]:
+    def ordered_stages(self) -> list[ServingStage]:
         """The started stages in chain order (none before a successful `start`)."""
         return [self.stages[stage_id] for stage_id in self.pipeline.stage_order if stage_id in self.stages]
 
     @property
     def bundles(self) -> dict[int, VerifiedBundle]:
         """The graph stages' verified bundles, by stage id (what a processor is built from)."""
-        return {stage_id: stage.bundle for stage_id, stage in self.stages.items() if isinstance(stage, GraphStage)}
+        return {stage_id: stage.bundle for stage_id, stage in self.stages.items() if stage.bundle is not None}
 
     def start(self) -> None:
-        """Verify, reserve the whole plan, then start, load and warm up every replica."""
+        """Verify, reserve the whole plan, then start, load and warm up every replica (the order
+        `ServingStage` names); any failure unwinds everything started."""
         stages = [self._plan_stage(stage_id) for stage_id in self.pipeline.stage_order]
-        bundles = [stage.bundle for stage in stages if isinstance(stage, GraphStage)]
+        verified = [stage.bundle for stage in stages if stage.bundle is not None]
         for stage in stages:
-            if isinstance(stage, NativeStage):
-                stage.bind_verified_bundle(bundles)
-        for stage in stages:
+            stage.bind(verified)
             self.ledger.declare_capacities(stage.deploy.resource_budget.capacities,
                                            declared_by=f"stage {stage.stage_id}")
         owners = [(stage, replica) for stage in stages for replica in range(stage.deploy.num_replicas)]
@@ -96,32 +95,20 @@ class StageRuntime:
         try:
             for (stage, replica), reservation in zip(owners, reservations):
                 self.cancel.check(f"after {len(launched)} of {len(owners)} replicas")
-                if isinstance(stage, NativeStage):
-                    stage.start(reservation, self.ledger)
-                else:
-                    stage.replicas.append(self._start_replica(stage, replica, reservation, launched))
+                stage.start_replica(replica, reservation, self.ledger, launched)
             for stage in stages:
-                if isinstance(stage, GraphStage):
-                    stage.input_specs = input_specs(stage.replicas[0].load_report)
-                    stage.check_batching()
+                stage.loaded()
             for stage, following in zip(stages, stages[1:]):
-                if isinstance(stage, NativeStage):
-                    stage.check_consumer(following.input_specs, following.stage_id)
+                stage.check_consumer(following)
         except BaseException:
             for stage in stages:
-                if isinstance(stage, NativeStage):
-                    stage.stop(DEFAULT_SHUTDOWN_TIMEOUT_S)
+                stage.abort_start(DEFAULT_SHUTDOWN_TIMEOUT_S)
             self._unwind(launched, reservations)
             raise
         self.stages = {stage.stage_id: stage for stage in stages}
         self._monitor = StageMonitor()
         for stage in stages:
-            if isinstance(stage, GraphStage):
-                stage.monitor = self._monitor
-                for graph_replica in stage.replicas:
-                    stage.serve(graph_replica)
-                if stage.deploy.reverify_interval_s is not None:
-                    self._monitor.every(stage.deploy.reverify_interval_s, stage.check_bundle)
+            stage.start_serving(self._monitor)
 
     def _unwind(self, launched: Launched, reservations: list[Reservation]) -> None:
         """Kill every worker started so far; release each reservation (quarantine if an exit is unverified)."""
@@ -139,15 +126,15 @@ class StageRuntime:
             if reservation.reservation_id not in settled:
                 self.ledger.release(reservation)
 
-    def _plan_stage(self, stage_id: int) -> GraphStage | NativeStage:
+    def _plan_stage(self, stage_id: int) -> ServingStage:
         config = self.pipeline.stage(stage_id)
         deploy = self.deploy.stage(stage_id)
         if config.execution_type is StageExecutionType.LLM_POOLING:
             return NativeStage(config, deploy, served=self.served_engine)
         bundle = verify_bundle(deploy.graph_backend.manifest)
-        return GraphStage(config, deploy, bundle, worker_route(deploy), self._start_replacement)
+        return GraphStage(config, deploy, bundle, worker_route(deploy), self)
 
-    def _start_replica(self, stage: GraphStage, replica: int, reservation: Reservation, launched: Launched, *,
+    def start_replica(self, stage: GraphStage, replica: int, reservation: Reservation, launched: Launched, *,
                        restarts: int = 0) -> GraphReplica:
         """Start, load and warm up one worker charged to `reservation`; `launched` gets it once it exists."""
         try:
@@ -167,12 +154,12 @@ class StageRuntime:
         return GraphReplica(stage, replica, client, reservation, self.ledger, report, restarts=restarts,
                                 hang_grace_s=stage.deploy.hang_grace_s)
 
-    def _start_replacement(self, stage: GraphStage, slot: int, restarts: int, launched: Launched) -> GraphReplica:
+    def start_replacement(self, stage: GraphStage, slot: int, restarts: int, launched: Launched) -> GraphReplica:
         """A new generation for a retired slot: its own reservation, start, load, warmup; all of it
         given back if any step fails."""
         reservation = self.ledger.reserve(_owner(stage, slot), stage.deploy.resource_budget.demands)
         try:
-            return self._start_replica(stage, slot, reservation, launched, restarts=restarts)
+            return self.start_replica(stage, slot, reservation, launched, restarts=restarts)
         except BaseException:
             self._unwind(launched, [reservation])
             raise
@@ -190,24 +177,8 @@ class StageRuntime:
     def metrics(self) -> EngineMetrics:
         """The stages' and the ledger's counters as typed records (stages/metrics.py), read from
         their attributes: what `/metrics` exports, without building the execution plan."""
-        stages = []
-        for stage in self.ordered_stages:
-            state, reason = stage.status()
-            if isinstance(stage, GraphStage):
-                graph = list(stage.replicas)
-                replicas = tuple(ReplicaMetrics(r.replica, r.client.generation, r.state, r.restarts, r.calls,
-                                                r.items, r.fenced_calls) for r in graph)
-                live, restarts = sum(r.serving for r in graph), stage.restart_budget.spent
-                batching: BatchMetrics | None = BatchMetrics.from_stats(stage.batch_stats.snapshot())
-            else:  # a native engine is never replaced; each pooled item is one engine call
-                native = list(stage.replicas)
-                replicas = tuple(ReplicaMetrics(r.replica, None, "serving" if r.serving else "retired", 0, r.items,
-                                                r.items, 0) for r in native)
-                live = sum(r.serving for r in native) if stage.failure is None else 0
-                restarts, batching = 0, None
-            stages.append(StageMetrics(stage.stage_id, stage.config.execution_type.value, state, reason,
-                                       stage.deploy.num_replicas, live, restarts, replicas, batching))
-        return EngineMetrics(tuple(stages), LedgerMetrics.from_snapshot(self.ledger.snapshot()))
+        return EngineMetrics(tuple(stage.metrics() for stage in self.ordered_stages),
+                             LedgerMetrics.from_snapshot(self.ledger.snapshot()))
 
     def health(self) -> dict[int, str]:
         """Stages that cannot serve now -> why (empty while every stage has a live replica). A
@@ -244,5 +215,5 @@ class StageRuntime:
             stage.stop(timeout)
 
 
-def _owner(stage: GraphStage | NativeStage, replica: int) -> str:
+def _owner(stage: ServingStage, replica: int) -> str:
     return f"stage{stage.stage_id}/replica{replica}"
