@@ -917,15 +917,7 @@ def _validate_descriptors(
     extents: list[tuple[int, int, str]] = []
     total = 0
     for desc in descriptors:
-        if type(desc) is not dict:
-            raise MalformedHeader("a tensor descriptor must be a JSON object")
-        # five keys, the four required ones and exactly one of offset / fd: nothing else fits
-        if len(desc) != 5 or "name" not in desc or "dtype" not in desc or "shape" not in desc \
-                or "nbytes" not in desc or ("offset" in desc) == ("fd" in desc):
-            raise MalformedHeader(
-                f"a tensor descriptor needs name, dtype, shape, nbytes and one of offset/fd; got {sorted(desc)}"
-            )
-        name, dtype, shape, nbytes = desc["name"], desc["dtype"], desc["shape"], desc["nbytes"]
+        name, dtype, shape, nbytes = _descriptor_fields(desc)
         _check_name_and_dtype(name, dtype, names)
         if type(shape) is not list:
             raise BadShape(f"tensor {name!r} shape must be a list")
@@ -934,42 +926,63 @@ def _validate_descriptors(
         total += nbytes
         if total > max_payload_bytes:
             raise PayloadTooLarge(f"tensors add up to more than {max_payload_bytes} bytes (at {name!r})")
-        offset = desc.get("offset")
-        fd = desc.get("fd")
+        offset, fd = desc.get("offset"), desc.get("fd")
         if offset is not None:
-            if type(offset) is not int or offset < 0 or offset % TENSOR_ALIGNMENT:
-                raise BadExtent(f"tensor {name!r}: offset {offset!r} is not a {TENSOR_ALIGNMENT}-aligned byte offset")
-            end = offset + _align(nbytes)
-            if end > payload_len:
-                raise BadExtent(
-                    f"tensor {name!r}: extent [{offset}, {end}) ends beyond the payload ({payload_len} bytes)"
-                )
-            extents.append((offset, end, name))
+            extents.append(_inline_extent(name, offset, nbytes, payload_len))
         else:
-            if type(fd) is not int or not 0 <= fd < fd_count:
-                raise BadShmReference(f"tensor {name!r}: fd index {fd!r} but {fd_count} descriptors came with "
-                                      "the frame")
-            if fd in fds_used:
-                raise BadShmReference(f"tensor {name!r}: fd index {fd} is used twice")
-            if nbytes == 0:
-                raise BadShmReference(f"tensor {name!r}: an empty tensor must travel inline")
-            fds_used.add(fd)
+            fds_used.add(_shm_reference(name, fd, nbytes, fd_count, fds_used))
         result.append(TensorDescriptor(name, dtype, shape_t, nbytes, offset, fd))
     if len(fds_used) != fd_count:
         raise BadShmReference(f"{fd_count} descriptors came with the frame but {len(fds_used)} are referenced")
-    inline_total = 0
-    if len(extents) > 1:
-        extents.sort()
-        for (_, end, first), (start, _, second) in zip(extents, extents[1:]):
-            if start < end:
-                raise BadExtent(f"tensors {first!r} and {second!r} overlap in the payload")
-    for start, end, _ in extents:
-        inline_total += end - start
+    _check_extents_fill(extents, payload_len)
+    return tuple(result)
+
+
+def _descriptor_fields(desc: Any) -> tuple[Any, Any, Any, Any]:
+    """A JSON tensor descriptor's name, dtype, shape and nbytes, unchecked; its keys checked."""
+    if type(desc) is not dict:
+        raise MalformedHeader("a tensor descriptor must be a JSON object")
+    # five keys, the four required ones and exactly one of offset / fd: nothing else fits
+    if len(desc) != 5 or "name" not in desc or "dtype" not in desc or "shape" not in desc \
+            or "nbytes" not in desc or ("offset" in desc) == ("fd" in desc):
+        raise MalformedHeader(
+            f"a tensor descriptor needs name, dtype, shape, nbytes and one of offset/fd; got {sorted(desc)}"
+        )
+    return desc["name"], desc["dtype"], desc["shape"], desc["nbytes"]
+
+
+def _inline_extent(name: str, offset: Any, nbytes: int, payload_len: int) -> tuple[int, int, str]:
+    """An inline tensor's [offset, end) in the payload: aligned and inside it."""
+    if type(offset) is not int or offset < 0 or offset % TENSOR_ALIGNMENT:
+        raise BadExtent(f"tensor {name!r}: offset {offset!r} is not a {TENSOR_ALIGNMENT}-aligned byte offset")
+    end = offset + _align(nbytes)
+    if end > payload_len:
+        raise BadExtent(f"tensor {name!r}: extent [{offset}, {end}) ends beyond the payload ({payload_len} bytes)")
+    return offset, end, name
+
+
+def _shm_reference(name: str, fd: Any, nbytes: int, fd_count: int, fds_used: set[int]) -> int:
+    """A shared-memory tensor's index among the frame's descriptors: in range, used once, not empty."""
+    if type(fd) is not int or not 0 <= fd < fd_count:
+        raise BadShmReference(f"tensor {name!r}: fd index {fd!r} but {fd_count} descriptors came with the frame")
+    if fd in fds_used:
+        raise BadShmReference(f"tensor {name!r}: fd index {fd} is used twice")
+    if nbytes == 0:
+        raise BadShmReference(f"tensor {name!r}: an empty tensor must travel inline")
+    return fd
+
+
+def _check_extents_fill(extents: list[tuple[int, int, str]], payload_len: int) -> None:
+    """The inline tensors do not overlap and take the whole payload."""
+    extents.sort()
+    for (_, end, first), (start, _, second) in zip(extents, extents[1:]):
+        if start < end:
+            raise BadExtent(f"tensors {first!r} and {second!r} overlap in the payload")
+    inline_total = sum(end - start for start, end, _ in extents)
     if inline_total != payload_len:
         raise ByteLengthMismatch(
             f"payload is {payload_len} bytes but the inline tensors take {inline_total} (64-byte aligned)"
         )
-    return tuple(result)
 
 
 class SpinWait:
