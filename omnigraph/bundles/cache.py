@@ -12,12 +12,16 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from omnigraph.bundles.defaults import CACHE_ENV, cache_root
+
+logger = logging.getLogger("omnigraph.bundles")
 
 __all__ = ["CACHE_ENV", "CacheUnwritable", "cache_key", "cache_root", "cached_folder"]
 
@@ -59,6 +63,8 @@ def cached_folder(kind: str, name: str, key: Mapping[str, Any], build: Callable[
     out = cache_root() / kind / f"{name}-{cache_key(key)}"
     if out.is_dir():
         return out
+    started = time.monotonic()
+    logger.info("building %s into %s (the first time only)", kind.rstrip("s"), out)
     try:
         build(out)
     except OSError as exc:
@@ -71,4 +77,5 @@ def cached_folder(kind: str, name: str, key: Mapping[str, Any], build: Callable[
         where = exc.filename or out
         raise CacheUnwritable(exc.errno, f"cannot build {out} in the cache (${CACHE_ENV}): {where}: "
                                          f"{exc.strerror or exc}") from exc
+    logger.info("built %s in %.1f s", out, time.monotonic() - started)
     return out

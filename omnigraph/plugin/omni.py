@@ -20,7 +20,9 @@ server's engine instead of starting its own.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
@@ -50,6 +52,8 @@ from omnigraph.stages.startup import StartCancel
 from omnigraph.stages.tensor_processor import TensorProcessor
 
 __all__ = ["AsyncOmni", "Omni", "OmniRequestOutput", "build_plan"]
+
+logger = logging.getLogger("omnigraph.plugin")
 
 DEFAULT_MODEL = "laya"
 DEFAULT_ROUTE = "local-cpu"
@@ -136,12 +140,14 @@ class OmniBase:
             )
             warmup_request = self.processor.warmup_request() if warmup else None
             if warmup_request is not None:
+                started = time.monotonic()
                 request = self.orchestrator.submit(warmup_request, request_id=f"warmup-{uuid.uuid4().hex}",
                                                    deadline_s=startup_timeout)
                 try:
                     request.wait()
                 finally:
                     self.orchestrator.acknowledge(request)
+                logger.info("pipeline %s: warm-up request answered in %.2f s", self.model, time.monotonic() - started)
         except BaseException:
             self.runtime.shutdown()
             raise

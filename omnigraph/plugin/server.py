@@ -21,7 +21,7 @@ half-sent clients cannot lock good ones out:
 
 from __future__ import annotations
 
-import logging
+import logging.config
 import os
 import resource
 from typing import TYPE_CHECKING, Any
@@ -31,6 +31,7 @@ import uvicorn
 from omnigraph.plugin.api.app import build_app
 from omnigraph.plugin.api.connections import ConnectionLimits, guarded_protocol_factory
 from omnigraph.plugin.api.service import DEFAULT_DEADLINE_S, DecisionService
+from omnigraph.plugin.logs import log_probes_from_env, logging_config
 from omnigraph.stages.startup import StartCancel
 
 if TYPE_CHECKING:
@@ -92,7 +93,8 @@ def connection_limits_from_env() -> ConnectionLimits:
 def uvicorn_config(app: Any, *, host: str, port: int) -> uvicorn.Config:
     """uvicorn's settings: httptools under the connection limits, a bounded backlog."""
     limits = connection_limits_from_env()
-    return uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+    return uvicorn.Config(app, host=host, port=port, log_config=logging_config(log_probes=log_probes_from_env()),
+                          timeout_graceful_shutdown=5,
                           # uvicorn calls `http` as a protocol factory; its annotation names a class only
                           http=guarded_protocol_factory(limits),  # type: ignore[arg-type]
                           backlog=BACKLOG, timeout_keep_alive=KEEP_ALIVE_S,
@@ -126,7 +128,7 @@ def build_service(model: str | None, *, bundle: str | None = None, deploy_config
 
 def serve(model: str | None, *, bundle: str | None, deploy_config: str | None, host: str, port: int) -> None:
     """Serve `model` on `host:port` until interrupted; raises `ServerStartupError` if it cannot start."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.config.dictConfig(logging_config(log_probes=log_probes_from_env()))
     service = build_service(model, bundle=bundle, deploy_config=deploy_config,
                             deadline_s=request_deadline_from_env())
     failures: list[str] = []

@@ -535,6 +535,8 @@ class GraphStage:
         """Called by a retiring replica: its slot is to be replaced (unless the stage closes or its
         operator declared `max_restarts: 0`); while no replica is live, everything queued here
         fails at once. True while the stage can still serve, so a retry is worth it."""
+        logger.warning("stage %d: replica %d (worker %d, generation %d) retired: %s", self.stage_id, replica.replica,
+                       replica.client.pid, replica.client.generation, replica.retired_reason)
         with self._lock:
             self.last_retirement = f"replica {replica.replica} retired: {replica.retired_reason}"
             if not self._closing.is_set() and self.failure is None:
@@ -633,6 +635,9 @@ class GraphStage:
                 if installed:
                     self.replicas[slot] = replica
                     self.serve(replica)
+            if installed:
+                logger.warning("stage %d: replica %d replaced by worker %d (generation %d, restart %d)",
+                               self.stage_id, slot, replica.client.pid, replica.client.generation, restarts)
             if not installed:
                 replica.close(DEFAULT_SHUTDOWN_TIMEOUT_S)
             return

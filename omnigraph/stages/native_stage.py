@@ -387,6 +387,7 @@ class NativeStage:
                       launched: list[Any]) -> None:
         """Start (within the backend's `startup_timeout_s`) or attach to the served engine under
         `reservation`; checks the engine fits. (Its one replica is no worker: `launched` stays as it is.)"""
+        started = time.monotonic()
         timeout = self.backend.startup_timeout_s
         if self._served is not None:
             engine = PoolingEngine.served(self._served)
@@ -398,6 +399,9 @@ class NativeStage:
         except BaseException:
             engine.close(timeout)
             raise
+        how = ("attached (the server's)" if self._served is not None
+               else f"started in {time.monotonic() - started:.1f} s")
+        logger.info("stage %d: vLLM engine on %s %s", self.stage_id, self.backend.model, how)
 
     def loaded(self) -> None:
         """Nothing: the inputs are the fixed NATIVE_INPUT_SPECS."""

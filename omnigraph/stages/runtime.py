@@ -26,6 +26,8 @@ stage whose operator declared `max_restarts: 0` stays down for good.
 from __future__ import annotations
 
 import itertools
+import logging
+import time
 from typing import Any
 
 from omnigraph.bundles import VerifiedBundle, verify_bundle
@@ -47,6 +49,8 @@ from omnigraph.stages.native_stage import NativeStage, ServedEngine
 from omnigraph.stages.protocols import ServingStage
 from omnigraph.stages.startup import StartCancel
 from omnigraph.workers.client import WorkerClient
+
+logger = logging.getLogger("omnigraph.stages")
 
 
 class StageRuntime:
@@ -81,8 +85,11 @@ class StageRuntime:
     def start(self) -> None:
         """Verify, reserve the whole plan, then start, load and warm up every replica (the order
         `ServingStage` names); any failure unwinds everything started."""
+        started = time.monotonic()
         stages = [self._plan_stage(stage_id) for stage_id in self.pipeline.stage_order]
         verified = [stage.bundle for stage in stages if stage.bundle is not None]
+        logger.info("pipeline %s: %d bundle(s) verified in %.1f s", self.pipeline.model_type, len(verified),
+                    time.monotonic() - started)
         for stage in stages:
             stage.bind(verified)
             self.ledger.declare_capacities(stage.deploy.resource_budget.capacities,
@@ -91,6 +98,8 @@ class StageRuntime:
         reservations = self.ledger.reserve_all([
             (_owner(stage, replica), stage.deploy.resource_budget.demands) for stage, replica in owners
         ])
+        logger.info("pipeline %s: reserved %d replica(s) of %d stage(s)", self.pipeline.model_type, len(owners),
+                    len(stages))
         launched = self._starting
         try:
             for (stage, replica), reservation in zip(owners, reservations):
@@ -109,6 +118,8 @@ class StageRuntime:
         self._monitor = StageMonitor()
         for stage in stages:
             stage.start_serving(self._monitor)
+        logger.info("pipeline %s: %d stage(s) serving, started in %.1f s", self.pipeline.model_type, len(stages),
+                    time.monotonic() - started)
 
     def _unwind(self, launched: Launched, reservations: list[Reservation]) -> None:
         """Kill every worker started so far; release each reservation (quarantine if an exit is unverified)."""
@@ -137,6 +148,7 @@ class StageRuntime:
     def start_replica(self, stage: GraphStage, replica: int, reservation: Reservation, launched: Launched, *,
                        restarts: int = 0) -> GraphReplica:
         """Start, load and warm up one worker charged to `reservation`; `launched` gets it once it exists."""
+        started = time.monotonic()
         try:
             client = WorkerClient.start(stage.route, generation=next(self._generations),
                                         startup_timeout=self.startup_timeout)
@@ -151,6 +163,10 @@ class StageRuntime:
         if report.manifest_sha256 != stage.bundle.manifest_sha256:
             raise StageStartupError(stage.stage_id, replica,
                                     "the worker loaded another manifest than the one verified here")
+        logger.info("stage %d: replica %d on worker %d (generation %d, route %s) loaded %s on %s, "
+                    "warmed up in %.0f ms; ready in %.1f s", stage.stage_id, replica, client.pid, client.generation,
+                    stage.route.name, stage.bundle.manifest.component, ", ".join(report.session_providers),
+                    report.warmup_ms, time.monotonic() - started)
         return GraphReplica(stage, replica, client, reservation, self.ledger, report, restarts=restarts,
                                 hang_grace_s=stage.deploy.hang_grace_s)
 

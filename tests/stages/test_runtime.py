@@ -1,6 +1,10 @@
 """StageRuntime: the whole plan is reserved before anything loads, failures unwind, shutdown is clean."""
 
 import asyncio
+import logging
+import os
+import re
+import signal
 
 import numpy as np
 import pytest
@@ -104,3 +108,26 @@ def test_stages_must_agree_on_capacities(make_plan, os_processes):
     with pytest.raises(CapacityConflict, match="capacity of 'machine:ram' is 1000 per stage 0 but 2000 per stage 1"):
         runtime.start()
     assert runtime.ledger.snapshot()["reservations"] == [] and os_processes.children() == set()
+
+
+def test_startup_phases_and_a_replacement_are_logged(make_plan, engine, caplog):
+    caplog.set_level(logging.INFO, logger="omnigraph")
+
+    async def main():
+        async with AsyncOmni(deploy_config=make_plan("affine")) as omni:
+            (first,) = engine.replicas(omni)
+            os.kill(first["pid"], signal.SIGKILL)
+            await engine.until_serving(omni, first["generation"] + 1)
+            return first, engine.replicas(omni)[0]
+
+    first, second = asyncio.run(main())
+    lines = [(record.levelname, record.getMessage()) for record in caplog.records if record.name.startswith("omnigraph")]
+    infos = [message for level, message in lines if level == "INFO"]
+    assert any(re.fullmatch(r"pipeline \S+: 1 bundle\(s\) verified in [\d.]+ s", line) for line in infos)
+    assert any(re.fullmatch(rf"stage 0: replica 0 on worker {first['pid']} \(generation 1, route \S+\) loaded \S+ on "
+                            r"CPUExecutionProvider, warmed up in \d+ ms; ready in [\d.]+ s", line) for line in infos)
+    assert any(re.fullmatch(r"pipeline \S+: 1 stage\(s\) serving, started in [\d.]+ s", line) for line in infos)
+    warnings = [message for level, message in lines if level == "WARNING"]
+    assert any(line.startswith(f"stage 0: replica 0 (worker {first['pid']}, generation 1) retired: worker "
+                               f"{first['pid']} exited while idle") for line in warnings)
+    assert f"stage 0: replica 0 replaced by worker {second['pid']} (generation 2, restart 1)" in warnings

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
@@ -110,6 +111,7 @@ class DecisionService:
     async def start(self) -> None:
         """Start the engine in a thread, then pass the warmup request through it; record any failure.
         Cancelling this task leaves the thread to `stop`, which cancels the start itself."""
+        started = time.monotonic()
         self._starting = asyncio.ensure_future(asyncio.to_thread(self._start_engine, self._cancel))
         try:
             self.engine = await asyncio.shield(self._starting)
@@ -121,7 +123,7 @@ class DecisionService:
             logger.error("%s", self.failure)
             return
         self.ready = True
-        logger.info("model %r is ready", self.model_name)
+        logger.info("model %r is ready (started in %.1f s)", self.model_name, time.monotonic() - started)
 
     def shutdown(self) -> None:
         """Stop the engine's workers and release its reservations (idempotent)."""
