@@ -12,6 +12,11 @@ for an ``llm_pooling`` stage, a vLLM pooling engine (``vllm.pooling.v1``: a chec
 served by vLLM, returning the final hidden state of each prompt's last position). The latter is
 checked against the installed vLLM: its ``engine_args`` must be fields of ``AsyncEngineArgs``.
 
+Byte counts (`max_io_bytes`, `mailbox_bytes`, `max_batch_bytes`, the amounts of a
+`resource_budget`) are integers or numbers with a unit: `512KB`, `256MiB`, `1.5GiB` (`ByteCount`,
+`parse_byte_amount`). `omnigraph deploy check` (pipelines/deploy_check.py) checks a whole plan
+without serving it.
+
 A YAML normally names a registered pipeline; a YAML for a pipeline nobody registered declares its
 stages inline with vllm-omni's stage keys (``model_stage``, ``input_sources``, ``final_output``,
 ``final_output_type``, ``custom_process_input_func``).
@@ -21,13 +26,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import sys
 from collections.abc import Mapping
+from decimal import Decimal
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from omnigraph.bundles.defaults import (
     DEFAULT_HANG_GRACE_S,
@@ -47,7 +63,7 @@ from omnigraph.pipelines.config import (
     StagePipelineConfig,
 )
 from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
-from omnigraph.pipelines.strict_yaml import StrictYamlError, read_yaml_file
+from omnigraph.pipelines.strict_yaml import StrictYamlError, YamlSurprise, read_yaml_file
 from omnigraph.workers.route import mailbox_bytes_problem, route_default
 
 GRAPH_BACKEND = "external.graph.v1"
@@ -63,6 +79,58 @@ _DECLARATION_KEYS = ("model_stage", "execution_type", "input_sources", "final_ou
 
 class DeployConfigError(ValueError):
     """A deploy YAML is unusable; every line of the message starts with the offending YAML path."""
+
+
+# The units a byte amount may carry: SI powers of 1000 and IEC powers of 1024 (a bare K, M, G is
+# refused: vLLM's own flags read it one way, other tools the other).
+BYTE_UNITS = {"B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_BYTE_AMOUNT = re.compile(r"\s*([0-9][0-9_]*(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*")
+_BYTE_FORMS = "an integer, or a number with a unit: 512KB, 256MiB, 4GiB (B, kB/KB, MB, GB, TB, KiB, MiB, GiB, TiB)"
+
+
+def parse_byte_amount(value: Any) -> Any:
+    """A byte count as a deploy YAML may write it: an int, or a string of a number and a unit of
+    BYTE_UNITS (`256MiB` -> 268435456, `1.5GiB`, `512KB`); a malformed string or a float raises
+    ValueError saying what is accepted. Other values pass through for the field's own type check."""
+    if isinstance(value, float):
+        written = f": write {int(value)}" if value.is_integer() else ""
+        raise ValueError(f"a byte amount is {_BYTE_FORMS}, not the float {value!r}{written}")
+    if not isinstance(value, str):
+        return value
+    match = _BYTE_AMOUNT.fullmatch(value)
+    if match is None or match[2] not in BYTE_UNITS:
+        raise ValueError(f"{value!r} is not a byte amount; a byte amount is {_BYTE_FORMS}{_byte_hint(value, match)}")
+    amount = Decimal(match[1].replace("_", "")) * BYTE_UNITS[match[2]]
+    if amount != amount.to_integral_value():
+        raise ValueError(f"{value!r} is not a whole number of bytes ({amount})")
+    return int(amount)
+
+
+def _byte_hint(value: str, match: re.Match[str] | None) -> str:
+    if match is not None and not match[2]:
+        return f" (a quoted number is a string: write {match[1]} unquoted, or {match[1]}B)"
+    if match is not None and match[2].upper() in ("K", "M", "G", "T"):
+        unit = match[2].upper()
+        return f" ({match[2]!r} is ambiguous: write {match[1]}{'k' if unit == 'K' else unit}B or {match[1]}{unit}iB)"
+    try:
+        number = float(value)
+    except ValueError:
+        return ""
+    written = f"{int(number)}" if number.is_integer() and number >= 0 else "a whole number of bytes"
+    return f" (YAML 1.1 reads {value.strip()} as a string, not a number: write {written})"
+
+
+def format_bytes(amount: int) -> str:
+    """`amount` in the largest IEC unit that divides it (or GB / MB), else plain: for messages."""
+    for unit in ("TiB", "GiB", "MiB", "KiB", "TB", "GB", "MB", "kB"):
+        if amount and amount % BYTE_UNITS[unit] == 0:
+            return f"{amount // BYTE_UNITS[unit]}{unit}"
+    return str(amount)
+
+
+#: A byte count of the deploy schema: an int, or a string with a unit (parse_byte_amount).
+ByteCount = Annotated[int, BeforeValidator(parse_byte_amount)]
 
 
 class _Strict(BaseModel):
@@ -85,7 +153,7 @@ class RouteConfig(_Strict):
     max_cuda_graphs: int = Field(default=route_default("max_cuda_graphs"), ge=1, le=MAX_CUDA_GRAPHS_LIMIT)
     intra_op_num_threads: int | None = Field(default=route_default("intra_op_num_threads"), ge=1)
     spin_wait_us: int = Field(default=route_default("spin_wait_us"), ge=0, le=MAX_SPIN_WAIT_US)
-    mailbox_bytes: int = route_default("mailbox_bytes")
+    mailbox_bytes: ByteCount = route_default("mailbox_bytes")
 
     @field_validator("mailbox_bytes")
     @classmethod
@@ -105,7 +173,7 @@ class GraphBackendConfig(_Strict):
     name: Literal["external.graph.v1"]
     manifest: Path
     route: RouteConfig
-    max_io_bytes: int | None = Field(default=None, gt=0)
+    max_io_bytes: ByteCount | None = Field(default=None, gt=0)
     min_fraction_on_target: float = Field(default=route_default("min_fraction_on_target"), ge=0.0, le=1.0)
     allowed_providers: list[str] | None = None
     reverify_interval_s: float | None = Field(default=DEFAULT_REVERIFY_INTERVAL_S, ge=0.0, allow_inf_nan=False)
@@ -145,12 +213,18 @@ class NativeBackendConfig(_Strict):
 
     @field_validator("engine_args")
     @classmethod
-    def _check_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+    def _check_engine_args(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
         managed = sorted(set(value) & set(MANAGED_ENGINE_ARGS))
         if managed:
             raise ValueError(f"{managed} are set by omnigraph for a pooling stage; use the backend's own keys "
                              "(model, dtype, max_model_len) instead")
-        unknown = sorted(set(value) - vllm_engine_arg_names())
+        try:
+            names = vllm_engine_arg_names()
+        except ValueError:
+            if (info.context or {}).get("vllm_optional"):  # deploy check: its own table checks them
+                return value
+            raise
+        unknown = sorted(set(value) - names)
         if unknown:
             raise ValueError(f"{unknown} are not arguments of vLLM's AsyncEngineArgs")
         return value
@@ -187,8 +261,8 @@ BackendConfig = Annotated[GraphBackendConfig | NativeBackendConfig, Field(discri
 class ResourceBudgetConfig(_Strict):
     """Pre-load ceilings (`capacities`) and what one replica of the stage takes (`demands`)."""
 
-    capacities: dict[str, int] = Field(default_factory=dict)
-    demands: dict[str, int] = Field(default_factory=dict)
+    capacities: dict[str, ByteCount] = Field(default_factory=dict)
+    demands: dict[str, ByteCount] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_amounts(self) -> ResourceBudgetConfig:
@@ -223,7 +297,7 @@ class BatchingConfig(_Strict):
 
     max_batch_rows: int | None = Field(default=None, ge=1)
     max_batch_tokens: int | None = Field(default=None, ge=1)
-    max_batch_bytes: int | None = Field(default=None, ge=1)
+    max_batch_bytes: ByteCount | None = Field(default=None, ge=1)
     batch_wait_us: int | None = Field(default=None, ge=0, le=MAX_BATCH_WAIT_US)
     max_batch_markers: None = Field(default=None, exclude=True)  # refused below; never a limit
 
@@ -308,13 +382,23 @@ class DeployConfig(_Strict):
 def load_deploy_config(path: str | Path) -> DeployConfig:
     """Read, merge (`base_config`) and validate a deploy YAML."""
     path = Path(path).expanduser().resolve()
-    return validate_deploy_config(_read_merged(path, seen=()), base_dir=path.parent)
+    return validate_deploy_config(read_deploy_data(path), base_dir=path.parent)
 
 
-def validate_deploy_config(data: Mapping[str, Any], *, base_dir: str | Path = ".") -> DeployConfig:
-    """Validate an already-parsed plan; relative paths resolve against `base_dir`."""
+def read_deploy_data(path: str | Path, *, surprises: list[YamlSurprise] | None = None) -> dict[str, Any]:
+    """The plan at `path` parsed and merged over its `base_config` chain, not yet validated. With
+    `surprises`, the YAML 1.1 readings of every file read are appended to it (strict_yaml)."""
+    return _read_merged(Path(path).expanduser().resolve(), seen=(), surprises=surprises)
+
+
+def validate_deploy_config(data: Mapping[str, Any], *, base_dir: str | Path = ".",
+                           vllm_optional: bool = False) -> DeployConfig:
+    """Validate an already-parsed plan; relative paths resolve against `base_dir`. `vllm_optional`:
+    without an importable vLLM, a native stage's `engine_args` names are left unchecked (for
+    `deploy check`, which checks them against its own table) instead of refused."""
+    context = {"base_dir": str(base_dir), "vllm_optional": vllm_optional}
     try:
-        return DeployConfig.model_validate(dict(data), context={"base_dir": str(base_dir)})
+        return DeployConfig.model_validate(dict(data), context=context)
     except ValidationError as exc:
         raise DeployConfigError(_format_errors(exc)) from None
 
@@ -404,12 +488,13 @@ def _inline_pipeline(deploy: DeployConfig) -> PipelineConfig:
         raise DeployConfigError(f"stages: {exc}") from None
 
 
-def _read_merged(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+def _read_merged(path: Path, seen: tuple[Path, ...],
+                 surprises: list[YamlSurprise] | None = None) -> dict[str, Any]:
     """Parse `path` and merge it over its `base_config` chain (relative paths made absolute)."""
     if path in seen:
         raise DeployConfigError(f"base_config: cycle through {' -> '.join(str(p) for p in (*seen, path))}")
     try:
-        data = read_yaml_file(path)
+        data = read_yaml_file(path, surprises=surprises)
     except OSError as exc:
         raise DeployConfigError(f"{path}: cannot read deploy YAML: {exc.strerror}") from None
     except StrictYamlError as exc:
@@ -426,7 +511,7 @@ def _read_merged(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         raise DeployConfigError(f"base_config: must be a path string, got {type(base).__name__}")
     base_path = Path(base).expanduser()
     base_path = (base_path if base_path.is_absolute() else path.parent / base_path).resolve()
-    return _merge(_read_merged(base_path, (*seen, path)), data)
+    return _merge(_read_merged(base_path, (*seen, path), surprises), data)
 
 
 def _absolutize_paths(data: dict[str, Any], folder: Path) -> None:

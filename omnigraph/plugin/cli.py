@@ -83,6 +83,18 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _deploy_check(args: argparse.Namespace) -> int:
+    from omnigraph.pipelines.deploy_check import check_deploy_plan
+
+    report = check_deploy_plan(Path(args.plan), verify_bundles=not args.skip_hashes)
+    print(report.format())
+    if report.ok:
+        return 0
+    count = len(report.problems)
+    print(f"omnigraph: error: {args.plan}: {count} problem{'s' * (count != 1)}; nothing was served", file=sys.stderr)
+    return 1
+
+
 def _conformance_run(args: argparse.Namespace) -> int:
     from omnigraph.conformance.runner import run_suite_cli
 
@@ -139,6 +151,16 @@ def build_parser() -> argparse.ArgumentParser:
     ops_build.add_argument("--arch", default="90a", help="compute capability, e.g. 90a")
     ops_build.add_argument("--out", default="build/ops", help="output folder")
     ops_build.set_defaults(handler=_ops_build)
+
+    deploy = commands.add_parser("deploy", help="deploy plans (deploy YAML)")
+    deploy_commands = deploy.add_subparsers(dest="deploy_command", required=True, metavar="ACTION")
+    deploy_check = deploy_commands.add_parser(
+        "check", help="check a deploy YAML completely without serving it: every problem, one line each with its "
+        "YAML path and a hint (exit 1), or a summary (exit 0)")
+    deploy_check.add_argument("plan", help="the deploy YAML")
+    deploy_check.add_argument("--skip-hashes", action="store_true",
+                              help="read each bundle's manifest and file list without hashing its files")
+    deploy_check.set_defaults(handler=_deploy_check)
 
     conformance = commands.add_parser("conformance", help="conformance fixtures")
     conformance_commands = conformance.add_subparsers(dest="conformance_command", required=True, metavar="ACTION")

@@ -98,7 +98,7 @@ def test_max_batch_markers_is_refused_naming_its_replacement(tmp_path, bundle_di
     ("        resource_budget:", "        batching: {max_rows: 4}\n        resource_budget:", "stages[0].batching.max_rows: unknown key"),
     ("        resource_budget:", "        batching: {max_batch_tokens: 0}\n        resource_budget:",
      "stages[0].batching.max_batch_tokens:"),
-    ("        resource_budget:", "        batching: {max_batch_bytes: 1MiB}\n        resource_budget:",
+    ("        resource_budget:", "        batching: {max_batch_bytes: 1MiX}\n        resource_budget:",
      "stages[0].batching.max_batch_bytes:"),
     ("        resource_budget:", "        batching: {batch_wait_us: -1}\n        resource_budget:",
      "stages[0].batching.batch_wait_us:"),
