@@ -33,7 +33,7 @@ from inspect import isclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from omnigraph.bundles.errors import BundleError
 from omnigraph.bundles.verify import read_bundle_layout, verify_bundle
@@ -52,7 +52,7 @@ from omnigraph.pipelines.deploy import (
     resolve_pipeline,
     validate_deploy_config,
 )
-from omnigraph.pipelines.registry import resolve_dotted
+from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
 from omnigraph.pipelines.strict_yaml import YamlSurprise
 from omnigraph.workers.route import RouteInvalid, WorkerRoute
 
@@ -152,6 +152,8 @@ def check_deploy_plan(path: str | Path, *, verify_bundles: bool = True) -> Check
     _check_budget(report, stages)
     if deploy is not None:
         _check_plan(report, deploy, verify_bundles)
+    else:
+        _check_valid_stages(report, data, stages, path.parent, verify_bundles)
     _add_surprises(report, surprises, path)
     return report
 
@@ -508,6 +510,24 @@ def _check_plan(report: CheckReport, deploy: DeployConfig, verify_bundles: bool)
     ]
 
 
+def _check_valid_stages(report: CheckReport, data: Mapping[str, Any], stages: list[tuple[int, dict[str, Any]]],
+                        base_dir: Path, verify_bundles: bool) -> None:
+    """With the plan refused by the schema, the graph stages that pass it on their own still get their
+    route, bundle and fit checked, so one run shows those problems too."""
+    pipeline: PipelineConfig | None = None
+    try:
+        pipeline = get_pipeline(str(data.get("pipeline")))
+    except Exception:  # not registered (declared inline) or no name: the adapter check needs the plan
+        pipeline = None
+    for index, raw in stages:
+        try:
+            stage = StageDeployConfig.model_validate(raw, context={"base_dir": str(base_dir), "vllm_optional": True})
+        except ValidationError:
+            continue  # its problems are reported already
+        if isinstance(stage.backend, GraphBackendConfig):
+            _check_graph_stage(report, index, stage, pipeline, verify_bundles)
+
+
 def _check_graph_stage(report: CheckReport, index: int, stage: StageDeployConfig, pipeline: PipelineConfig | None,
                        verify_bundles: bool) -> str:
     backend = stage.graph_backend
@@ -528,7 +548,8 @@ def _check_graph_stage(report: CheckReport, index: int, stage: StageDeployConfig
     except (BundleError, OSError) as exc:
         report.add(f"{where}.manifest", str(exc),
                    "`omnigraph bundle verify` says the same; rebuild or re-pack the bundle")
-    adapter = pipeline.stage(stage.stage_id).batch_adapter if pipeline is not None else None
+    declared = {config.stage_id: config for config in pipeline.stages} if pipeline is not None else {}
+    adapter = declared[stage.stage_id].batch_adapter if stage.stage_id in declared else None
     if adapter is not None and route is not None and bundle is not None:
         try:
             resolve_dotted(adapter)(bundle, route)

@@ -255,6 +255,15 @@ def test_every_problem_is_reported_not_only_the_first(tmp_path, laya_bundle):
                           "stages[0].backend.route.enable_cuda_graph", "stages[0].resource_budget.demands.machine:ram"}
 
 
+def test_a_stage_is_checked_against_its_bundle_even_when_the_plan_has_schema_problems(tmp_path, laya_bundle):
+    text = LAYA_PLAN.replace("{name: local-cpu, ep: cpu}", "{name: trt, ep: tensorrt}")
+    text = text.replace("    stages:", "    max_queued_request: 8\n    stages:")
+    found = problems(plan(tmp_path, text))
+    assert set(found) == {"max_queued_request", "stages[0].backend.route.ep"}
+    assert "did you mean max_queued_requests?" in found["max_queued_request"]
+    assert "the route does not fit the bundle" in found["stages[0].backend.route.ep"]
+
+
 # --- the examples, the CLI, byte amounts -----------------------------------------------------------
 
 
