@@ -53,7 +53,7 @@ from omnigraph.pipelines.deploy import (
     validate_deploy_config,
 )
 from omnigraph.pipelines.registry import get_pipeline, resolve_dotted
-from omnigraph.pipelines.strict_yaml import YamlSurprise
+from omnigraph.pipelines.strict_yaml import YamlSurprise, read_yaml_file
 from omnigraph.workers.route import RouteInvalid, WorkerRoute
 
 __all__ = ["WELL_KNOWN_ENGINE_ARGS", "CheckReport", "Problem", "check_deploy_plan", "engine_arg_types"]
@@ -145,7 +145,7 @@ def check_deploy_plan(path: str | Path, *, verify_bundles: bool = True) -> Check
             where, _, message = line.partition(": ")
             if re.fullmatch(r"stages\[\d+\]\.backend\.engine_args", where):
                 continue  # names: _check_engine_args reports each key by its own path
-            hint = _unknown_key_hint(where, data, stages) if message == "unknown key" else None
+            hint = _unknown_key_hint(where, data, stages) if message == "unknown key" else _validation_hint(message)
             report.add(where, message, hint)
     _check_engine_args(report, stages)
     _check_cuda_graphs(report, stages)
@@ -154,7 +154,7 @@ def check_deploy_plan(path: str | Path, *, verify_bundles: bool = True) -> Check
         _check_plan(report, deploy, verify_bundles)
     else:
         _check_valid_stages(report, data, stages, path.parent, verify_bundles)
-    _add_surprises(report, surprises, path)
+    _add_surprises(report, surprises, path, stages)
     return report
 
 
@@ -208,6 +208,21 @@ def _unknown_key_hint(where: str, data: Mapping[str, Any], stages: list[tuple[in
     return f"did you mean {close[0]}?" if close else f"the keys here are {', '.join(candidates)}"
 
 
+_TYPE_HINTS = {
+    "Input should be a valid string": "write a string (quote it if YAML would read it as something else)",
+    "Input should be a valid integer": "write a whole number, without quotes",
+    "Input should be a valid number": "write a number, without quotes",
+    "Input should be a valid boolean": "write true or false",
+    "Input should be a valid dictionary": "write a mapping ({key: value, ...})",
+    "Input should be a valid list": "write a list ([a, b, ...])",
+    "required key is missing": "add it",
+}
+
+
+def _validation_hint(message: str) -> str | None:
+    return next((hint for start, hint in _TYPE_HINTS.items() if message.startswith(start)), None)
+
+
 def _model_at(parts: Sequence[str | int], data: Any) -> type[BaseModel] | None:
     """The schema model (a pydantic class) at a YAML path, following the raw data through unions."""
     annotation: Any = DeployConfig
@@ -253,18 +268,34 @@ def _unwrap(annotation: Any, node: Any) -> Any:
             return annotation
 
 
-def _add_surprises(report: CheckReport, surprises: list[YamlSurprise], plan: Path) -> None:
+def _add_surprises(report: CheckReport, surprises: list[YamlSurprise], plan: Path,
+                   stages: list[tuple[int, dict[str, Any]]]) -> None:
     """Each YAML 1.1 reading as a problem; one at the path of a problem already found explains it."""
     for surprise in surprises:
-        where = surprise.path if Path(surprise.file) == plan else f"{surprise.file}: {surprise.path}"
+        where = _plan_path(surprise, stages)
+        origin = f"line {surprise.line}" if Path(surprise.file) == plan else f"{surprise.file} line {surprise.line}"
         for index, problem in enumerate(report.problems):
             if problem.path == where:
-                hint = surprise.explain() if problem.hint is None else f"{surprise.explain()}; {problem.hint}"
+                generic = problem.hint is None or problem.hint in _TYPE_HINTS.values()
+                hint = surprise.explain() if generic else f"{surprise.explain()}; {problem.hint}"
                 report.problems[index] = dataclasses.replace(problem, hint=hint)
                 break
         else:
-            report.add(where, f"{surprise.text} (line {surprise.line}) is read as {surprise.value!r}",
-                       surprise.explain())
+            report.add(where, f"{surprise.text} ({origin}) is read as {surprise.value!r}", surprise.explain())
+
+
+def _plan_path(surprise: YamlSurprise, stages: list[tuple[int, dict[str, Any]]]) -> str:
+    """A surprise's path in the merged plan: a base_config file's or overlay's `stages[k]` is the
+    plan's stage of the same stage_id (stages merge by stage_id)."""
+    match = re.match(r"stages\[(\d+)\]", surprise.path)
+    if match is None:
+        return surprise.path
+    try:
+        written = read_yaml_file(Path(surprise.file))["stages"][int(match[1])]["stage_id"]
+    except Exception:  # the file changed or is odd: keep its own path
+        return surprise.path
+    merged = [index for index, stage in stages if stage.get("stage_id") == written]
+    return f"stages[{merged[0]}]{surprise.path[match.end():]}" if merged else surprise.path
 
 
 # --- engine_args -------------------------------------------------------------------------------------------------
@@ -375,6 +406,8 @@ def _type_name(annotation: Any) -> str:
 def _shown(value: Any) -> str:
     if isinstance(value, bool):
         return f"the boolean {str(value).lower()}"
+    if value is None:
+        return "null"
     kinds = {str: "the string", int: "the integer", float: "the float", list: "a list", dict: "a mapping"}
     return f"{kinds.get(type(value), type(value).__name__)} {value!r}" if not isinstance(value, (list, dict)) \
         else kinds[type(value)]

@@ -155,6 +155,22 @@ def test_yaml_1_1_surprises(tmp_path, laya_bundle):
     assert "yes (line 7) is read as True" in line and "write true where a boolean is meant" in line
 
 
+def test_yaml_1_1_surprises_of_a_base_config_name_the_merged_plan_path(tmp_path):
+    two_stage_graph = _example_script()
+    two_stage_graph.prepare(tmp_path)
+    (tmp_path / "sub").mkdir()
+    overlay = plan(tmp_path / "sub", """\
+        base_config: ../two_stage_graph.yaml
+        stages:
+          - stage_id: 1
+            env: {FLAG: on}
+        """)
+    found = problems(overlay)
+    assert list(found) == ["stages[1].env.FLAG"]  # the overlay's stages[0] is the plan's stage 1
+    assert "Input should be a valid string (got True); hint: YAML 1.1 reads the unquoted 'on'" \
+        in found["stages[1].env.FLAG"]
+
+
 def test_near_miss_keys_say_did_you_mean(tmp_path, laya_bundle):
     text = LAYA_PLAN.replace("ep: cpu}", "epp: cpu}").replace("max_io_bytes:", "max_io_byte:")
     text = text.replace("resource_budget:", "resource_budjet:")
