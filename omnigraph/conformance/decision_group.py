@@ -7,7 +7,8 @@ body built here)`}`. `content_type` defaults to `application/json` when a body i
 sends none.
 
 `setup`: `{"ready_path", "ready_timeout_s"}`: before the first case the runner polls GET ready_path
-until it answers 200 (a server answers 503 while it warms up), failing the group if it never does.
+until it answers 200 (a server answers 503 while it warms up), failing the group if it never does;
+a target that refuses every connection for DEAD_TARGET_GRACE_S fails it at once (nothing listens).
 
 `expect`: `{"status": int, "field"?: str}` where `field` is the dotted input the error body must
 blame; for a 200 from `/v1/systemone` also `"answers"` and `"usage"` as the reference produced
@@ -34,6 +35,10 @@ from omnigraph.conformance.targets import Target
 REQUEST_TIMEOUT_S = 120.0
 JSON_CONTENT_TYPE = "application/json"
 READY_POLL_S = 0.5
+# Why: a server binds its port once its imports are done (a few seconds; up to ~10 s on a loaded
+# 2-core machine) and answers 503 while it warms up; a port that still refuses connections after
+# this is not a server starting but a dead target, which should not cost the whole ready timeout.
+DEAD_TARGET_GRACE_S = 30.0
 
 
 class ServerNotReady(RuntimeError):
@@ -54,7 +59,8 @@ def open_runner(group: Group, target: Target) -> Iterator[CaseRunner]:
 
 
 def _wait_ready(connection_class: type, netloc: str, path: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
         connection = connection_class(netloc, timeout=READY_POLL_S * 10)
@@ -65,6 +71,11 @@ def _wait_ready(connection_class: type, netloc: str, path: str, timeout_s: float
             if response.status == 200:
                 return
             last = f"status {response.status}"
+        except ConnectionRefusedError as exc:
+            if time.monotonic() - started >= DEAD_TARGET_GRACE_S:
+                raise ServerNotReady(f"nothing listens at {netloc}: connections refused for "
+                                     f"{DEAD_TARGET_GRACE_S:g} s ({exc})") from None
+            last = f"{type(exc).__name__}: {exc}"
         except (OSError, http.client.HTTPException) as exc:
             last = f"{type(exc).__name__}: {exc}"
         finally:

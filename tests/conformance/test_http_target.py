@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from typing import Iterator
 
 import pytest
@@ -73,3 +74,13 @@ def test_a_server_answering_wrong_statuses_fails_named_cases(server_url: str, mo
     failed = {r.case_id for r in report.failures}
     assert "decision.answer.noul_refund" in failed and "decision.json_nan" in failed
     assert "status 404, expected 200" in next(r.detail for r in report.failures if r.case_id == "decision.answer.noul_refund")
+
+
+def test_a_dead_target_fails_the_group_at_once_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omnigraph.conformance import decision_group
+
+    monkeypatch.setattr(decision_group, "DEAD_TARGET_GRACE_S", 1.0)
+    started = time.monotonic()
+    report = run_suite("v1", f"http://127.0.0.1:{_free_port()}", "decision")  # nothing listens there
+    assert time.monotonic() - started < 60  # not the group's 300 s ready timeout
+    assert report.failures and all("nothing listens at 127.0.0.1:" in r.detail for r in report.failures)
