@@ -101,75 +101,88 @@ def _conformance_run(args: argparse.Namespace) -> int:
     return run_suite_cli(suite=args.suite, target=args.target, group=args.group, report=args.report)
 
 
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Every flag's help shows its default; descriptions keep their lines."""
+
+
+def _command(commands: argparse._SubParsersAction, name: str, help: str,
+             handler: Callable[[argparse.Namespace], int] | None = None) -> argparse.ArgumentParser:
+    """A subcommand with the shared formatter; a leaf (with `handler`) also takes `--debug`, so it
+    works after the subcommand as well as before it."""
+    command = commands.add_parser(name, help=help, description=help, formatter_class=_Formatter)
+    if handler is not None:
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show tracebacks on errors")
+        command.set_defaults(handler=handler)
+    return command
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnigraph", description=__doc__.splitlines()[0])
+    from omnigraph import __version__
+
+    parser = argparse.ArgumentParser(prog="omnigraph", description=__doc__.splitlines()[0], formatter_class=_Formatter)
+    parser.add_argument("--version", action="version", version=f"omnigraph {__version__}")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="serve a pipeline over HTTP")
-    serve.add_argument("model", nargs="?", default=None, help="pipeline name (default: the embedded demo Laya)")
+    serve = _command(commands, "serve", "serve a pipeline over HTTP", _serve)
+    serve.add_argument("model", nargs="?", default=None, help="pipeline name (none: the embedded demo Laya)")
     source = serve.add_mutually_exclusive_group()
-    source.add_argument("--bundle", help="bundle directory or manifest.json")
-    source.add_argument("--deploy-config", help="deploy YAML")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.set_defaults(handler=_serve)
+    source.add_argument("--bundle", default=None, help="bundle directory or manifest.json")
+    source.add_argument("--deploy-config", default=None, help="deploy YAML")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
 
-    bundle = commands.add_parser("bundle", help="pack, verify, inspect, build or synthesise bundles")
+    bundle = _command(commands, "bundle", "pack, verify, inspect, build or synthesise bundles")
     bundle_commands = bundle.add_subparsers(dest="bundle_command", required=True, metavar="ACTION")
-    pack = bundle_commands.add_parser("pack", help="write DIR/manifest.json over the files in DIR")
-    pack.add_argument("directory")
+    pack = _command(bundle_commands, "pack", "write DIR/manifest.json over the files in DIR", _bundle_pack)
+    pack.add_argument("directory", help="the bundle's folder (DIR)")
     pack.add_argument("--component", required=True, help="what the bundle is, e.g. laya.decision")
     pack.add_argument("--graph", default="graph.onnx", help="the ONNX graph, relative to DIR")
     pack.add_argument("--example-inputs", default=None, help="warmup inputs (.npz), relative to DIR")
     pack.add_argument("--quiet", action="store_true", help="no progress bar")
-    pack.set_defaults(handler=_bundle_pack)
-    verify = bundle_commands.add_parser("verify", help="check every hash and path of a bundle")
-    verify.add_argument("directory")
-    verify.set_defaults(handler=_bundle_verify)
-    inspect = bundle_commands.add_parser("inspect", help="inputs, outputs, opset, size, custom ops")
-    inspect.add_argument("directory")
+    verify = _command(bundle_commands, "verify", "check every hash and path of a bundle", _bundle_verify)
+    verify.add_argument("directory", help="bundle directory or manifest.json")
+    inspect = _command(bundle_commands, "inspect", "inputs, outputs, opset, size, custom ops", _bundle_inspect)
+    inspect.add_argument("directory", help="bundle directory or manifest.json")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
-    inspect.set_defaults(handler=_bundle_inspect)
-    build = bundle_commands.add_parser("build", help="export a model checkpoint to a verified bundle")
+    build = _command(bundle_commands, "build", "export a model checkpoint to a verified bundle", _bundle_build)
     build.add_argument("model", help="pipeline name, e.g. laya")
-    build.add_argument("--checkpoint", required=True)
-    build.add_argument("--out", required=True)
-    build.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32")
+    build.add_argument("--checkpoint", required=True, help="the checkpoint folder")
+    build.add_argument("--out", required=True, help="the bundle folder to write (must not exist)")
+    build.add_argument("--precision", choices=("fp32", "fp16", "bf16"), default="fp32", help="weights' precision")
     build.add_argument("--fast", action="store_true", help="use the omnigraph custom-op library (BF16)")
-    build.set_defaults(handler=_bundle_build)
-    synth = bundle_commands.add_parser("synth", help="write a synthetic checkpoint in the model's real format")
+    synth = _command(bundle_commands, "synth", "write a synthetic checkpoint in the model's real format",
+                     _bundle_synth)
     synth.add_argument("model", help="pipeline name, e.g. laya")
-    synth.add_argument("--size", choices=("tiny", "small", "full"), default="tiny")
-    synth.add_argument("--seed", type=int, default=0)
-    synth.add_argument("--out", required=True)
-    synth.set_defaults(handler=_bundle_synth)
+    synth.add_argument("--size", default="tiny",
+                       help="a size the model's synthesiser has (laya: tiny, small, full; cua_s1: tiny, small; "
+                            "open_jev: tiny); another is refused with the model's list")
+    synth.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    synth.add_argument("--out", required=True, help="the checkpoint folder to write")
 
-    ops = commands.add_parser("ops", help="the CUDA custom-op library")
+    ops = _command(commands, "ops", "the CUDA custom-op library")
     ops_commands = ops.add_subparsers(dest="ops_command", required=True, metavar="ACTION")
-    ops_build = ops_commands.add_parser("build", help="compile the custom-op library with nvcc")
+    ops_build = _command(ops_commands, "build", "compile the custom-op library with nvcc", _ops_build)
     ops_build.add_argument("--arch", default="90a", help="compute capability, e.g. 90a")
     ops_build.add_argument("--out", default="build/ops", help="output folder")
-    ops_build.set_defaults(handler=_ops_build)
 
-    deploy = commands.add_parser("deploy", help="deploy plans (deploy YAML)")
+    deploy = _command(commands, "deploy", "deploy plans (deploy YAML)")
     deploy_commands = deploy.add_subparsers(dest="deploy_command", required=True, metavar="ACTION")
-    deploy_check = deploy_commands.add_parser(
-        "check", help="check a deploy YAML completely without serving it: every problem, one line each with its "
-        "YAML path and a hint (exit 1), or a summary (exit 0)")
+    deploy_check = _command(
+        deploy_commands, "check", "check a deploy YAML completely without serving it: every problem, one line each "
+        "with its YAML path and a hint (exit 1), or a summary (exit 0)", _deploy_check)
     deploy_check.add_argument("plan", help="the deploy YAML")
     deploy_check.add_argument("--skip-hashes", action="store_true",
                               help="read each bundle's manifest and file list without hashing its files")
-    deploy_check.set_defaults(handler=_deploy_check)
 
-    conformance = commands.add_parser("conformance", help="conformance fixtures")
+    conformance = _command(commands, "conformance", "conformance fixtures")
     conformance_commands = conformance.add_subparsers(dest="conformance_command", required=True, metavar="ACTION")
-    run = conformance_commands.add_parser("run", help="check a target against a fixture suite")
-    run.add_argument("--suite", default="v1")
+    run = _command(conformance_commands, "run", "check a target against a fixture suite", _conformance_run)
+    run.add_argument("--suite", default="v1", help="the fixture suite")
     run.add_argument("--target", required=True, help="inproc | worker:'<command>' | http://HOST:PORT")
-    run.add_argument("--group", default=None)
+    run.add_argument("--group", default=None, help="one group of the suite (none: every group the target runs)")
     run.add_argument("--report", default=None, help="write the full report as JSON here")
-    run.set_defaults(handler=_conformance_run)
     return parser
 
 

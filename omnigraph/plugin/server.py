@@ -21,9 +21,12 @@ half-sent clients cannot lock good ones out:
 
 from __future__ import annotations
 
+import errno
 import logging.config
 import os
 import resource
+import socket
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -126,8 +129,42 @@ def build_service(model: str | None, *, bundle: str | None = None, deploy_config
     return DecisionService(start_engine, model_name=served_model_name(model, deploy_config), deadline_s=deadline_s)
 
 
+def check_serve_arguments(model: str | None, bundle: str | None, deploy_config: str | None) -> None:
+    """Refuse a pipeline, bundle or deploy YAML that cannot be served before anything starts or
+    binds, naming the user's own argument (ServerStartupError). Cheap: reads names and manifests,
+    builds and loads nothing (the engine's start does that, behind a listening port)."""
+    from omnigraph.bundles import load_manifest
+    from omnigraph.pipelines.deploy import load_deploy_config
+    from omnigraph.pipelines.registry import get_pipeline
+
+    checks: list[tuple[str, Callable[[], object]]] = []
+    if model is not None:
+        checks.append((f"model {model!r}", lambda: get_pipeline(model)))
+    if bundle is not None:
+        checks.append((f"--bundle {bundle}", lambda: load_manifest(bundle)))
+    if deploy_config is not None:
+        checks.append((f"--deploy-config {deploy_config}", lambda: load_deploy_config(deploy_config)))
+    for argument, check in checks:
+        try:
+            check()
+        except Exception as exc:
+            raise ServerStartupError(f"{argument}: {exc}") from exc
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound and listening; a port in use is one ServerStartupError line."""
+    try:
+        return socket.create_server((host, port), backlog=BACKLOG)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise ServerStartupError(f"--port {port}: {host}:{port} is already in use") from None
+        raise ServerStartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def serve(model: str | None, *, bundle: str | None, deploy_config: str | None, host: str, port: int) -> None:
     """Serve `model` on `host:port` until interrupted; raises `ServerStartupError` if it cannot start."""
+    check_serve_arguments(model, bundle, deploy_config)
+    sock = listening_socket(host, port)
     logging.config.dictConfig(logging_config(log_probes=log_probes_from_env()))
     service = build_service(model, bundle=bundle, deploy_config=deploy_config,
                             deadline_s=request_deadline_from_env())
@@ -140,6 +177,6 @@ def serve(model: str | None, *, bundle: str | None, deploy_config: str | None, h
 
     app = build_app(service, on_startup_failure=stop_on_failure)
     server = uvicorn.Server(uvicorn_config(app, host=host, port=port))
-    server.run()
+    server.run(sockets=[sock])
     if failures:
         raise ServerStartupError(failures[0])

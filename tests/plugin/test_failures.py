@@ -4,6 +4,7 @@ The graph worker is paused with SIGSTOP to hold requests in flight, and killed w
 its stage: real processes, real signals, no fake engine.
 """
 
+import shutil
 import signal
 import threading
 import time
@@ -125,8 +126,16 @@ def test_a_killed_worker_is_replaced_and_the_server_recovers(start_server):
 
 
 def test_a_pipeline_that_cannot_start_stops_the_server_with_the_reason(start_server, tmp_path):
-    server = start_server("--bundle", str(tmp_path / "no-such-bundle"), ready=False)
+    from omnigraph.pipelines.laya.export import default_bundle
+
+    bundle = shutil.copytree(default_bundle(), tmp_path / "tampered-bundle")
+    weights = max((path for path in bundle.iterdir() if path.name != "manifest.json"), key=lambda p: p.stat().st_size)
+    with weights.open("r+b") as file:  # its manifest reads fine; its bytes are not the ones it names
+        byte = file.read(1)
+        file.seek(0)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    server = start_server("--bundle", str(bundle), ready=False)
     assert server.process.wait(120) == 1
     last_line = server.log.read_text().strip().splitlines()[-1]
     assert last_line.startswith("omnigraph: error: ServerStartupError: startup failed:")
-    assert "no-such-bundle" in last_line
+    assert "tampered-bundle" in last_line
