@@ -79,7 +79,8 @@ def _ops_build(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from omnigraph.plugin.server import serve
 
-    serve(args.model, bundle=args.bundle, deploy_config=args.deploy_config, host=args.host, port=args.port)
+    serve(args.model, bundle=args.bundle, deploy_config=args.deploy_config, host=args.host, port=args.port,
+          api_key=args.api_key)
     return 0
 
 
@@ -132,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--deploy-config", default=None, help="deploy YAML")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on")
+    serve.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics "
+                            "(none: $OMNIGRAPH_API_KEY if set, else no key)")
 
     bundle = _command(commands, "bundle", "pack, verify, inspect, build or synthesise bundles")
     bundle_commands = bundle.add_subparsers(dest="bundle_command", required=True, metavar="ACTION")

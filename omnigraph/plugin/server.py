@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 
 from omnigraph.plugin.api.app import build_app
+from omnigraph.plugin.api.auth import api_key_from_env
 from omnigraph.plugin.api.connections import ConnectionLimits, guarded_protocol_factory
 from omnigraph.plugin.api.service import DEFAULT_DEADLINE_S, DecisionService
 from omnigraph.plugin.logs import log_probes_from_env, logging_config
@@ -161,9 +162,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
         raise ServerStartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def serve(model: str | None, *, bundle: str | None, deploy_config: str | None, host: str, port: int) -> None:
-    """Serve `model` on `host:port` until interrupted; raises `ServerStartupError` if it cannot start."""
+def serve(model: str | None, *, bundle: str | None, deploy_config: str | None, host: str, port: int,
+          api_key: str | None = None) -> None:
+    """Serve `model` on `host:port` until interrupted; raises `ServerStartupError` if it cannot start.
+    `api_key` (`--api-key`, else $OMNIGRAPH_API_KEY): the bearer key every route but the probes needs."""
     check_serve_arguments(model, bundle, deploy_config)
+    api_key = api_key if api_key is not None else api_key_from_env()
     sock = listening_socket(host, port)
     logging.config.dictConfig(logging_config(log_probes=log_probes_from_env()))
     service = build_service(model, bundle=bundle, deploy_config=deploy_config,
@@ -175,7 +179,7 @@ def serve(model: str | None, *, bundle: str | None, deploy_config: str | None, h
         failures.append(reason)
         server.should_exit = True
 
-    app = build_app(service, on_startup_failure=stop_on_failure)
+    app = build_app(service, on_startup_failure=stop_on_failure, api_key=api_key)
     server = uvicorn.Server(uvicorn_config(app, host=host, port=port))
     server.run(sockets=[sock])
     if failures:

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omnigraph.plugin.api import decision, openai_routes, ops
+from omnigraph.plugin.api.auth import BearerKeyAuth
 from omnigraph.plugin.api.body import MAX_BODY_BYTES
 from omnigraph.plugin.api.errors import ApiError, api_error_handler, unexpected_error_handler
 from omnigraph.plugin.api.metrics import ServerMetrics
@@ -62,8 +63,9 @@ def attach_service(state: Any, service: DecisionService, *, max_body_bytes: int 
 
 
 def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
-              on_startup_failure: Callable[[str], None] | None = None) -> FastAPI:
-    """An app serving `service`; `on_startup_failure(reason)` is called if the engine cannot start."""
+              on_startup_failure: Callable[[str], None] | None = None, api_key: str | None = None) -> FastAPI:
+    """An app serving `service`; `on_startup_failure(reason)` is called if the engine cannot start;
+    with `api_key`, every route but the probes needs it as a bearer key (auth.py)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -90,5 +92,7 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
     app.include_router(decision.router)
     app.include_router(openai_routes.router)
     app.include_router(ops.router)
+    if api_key is not None:
+        app.add_middleware(BearerKeyAuth, api_key=api_key)  # inside the metrics: a 401 is counted
     app.add_middleware(_RequestMetrics, metrics=app.state.metrics)
     return app
