@@ -46,7 +46,7 @@ from omnigraph.stages.metrics import EngineMetrics
 from omnigraph.stages.native_stage import ServedEngine
 from omnigraph.stages.orchestrator import AdmissionHold, Orchestrator
 from omnigraph.stages.outputs import OmniRequestOutput
-from omnigraph.stages.request_state import RequestState
+from omnigraph.stages.request_state import Phase, RequestState
 from omnigraph.stages.runtime import DEFAULT_STARTUP_TIMEOUT_S, StageRuntime
 from omnigraph.stages.startup import StartCancel
 from omnigraph.stages.tensor_processor import TensorProcessor
@@ -192,6 +192,10 @@ class OmniBase:
     def queue_depth(self) -> int:
         """Admitted requests not yet acknowledged (the admission bound applies to this)."""
         return self.orchestrator.queue_depth
+
+    def requests_by_phase(self) -> dict[Phase, int]:
+        """Admitted requests by lifecycle phase (queued, running, finishing), for metrics."""
+        return self.orchestrator.requests_by_phase()
 
     def hold(self, slots: int) -> AdmissionHold:
         """Set queue slots aside for requests admitted as a unit (pass it to `generate(hold=)`);

@@ -398,6 +398,7 @@ class GraphStage:
         self.bundle_problem: str | None = None     # the bundle on disk is no longer the verified one
         self.backoff_until: float | None = None    # a replacement waits for the restart budget until then
         self.last_retirement: str | None = None    # why the latest replica retired
+        self.retirements = 0                       # replicas retired since the start (deaths, hangs)
         self.restart_budget = RestartBudget(deploy.restart.max_restarts, deploy.restart.window_s)
         self.watch = BundleWatch(bundle)
         self._replacing: set[int] = set()         # slots whose replacement is due or starting
@@ -456,7 +457,7 @@ class GraphStage:
             sum(r.serving for r in replicas), self.restart_budget.spent,
             tuple(ReplicaMetrics(r.replica, r.client.generation, r.state, r.restarts, r.calls, r.items,
                                  r.fenced_calls) for r in replicas),
-            BatchMetrics.from_stats(self.batch_stats.snapshot()))
+            BatchMetrics.from_stats(self.batch_stats.snapshot()), retirements=self.retirements)
 
     def serve(self, replica: GraphReplica) -> None:
         """Start a replica's thread, its worker's exit watched by the monitor."""
@@ -538,6 +539,7 @@ class GraphStage:
         logger.warning("stage %d: replica %d (worker %d, generation %d) retired: %s", self.stage_id, replica.replica,
                        replica.client.pid, replica.client.generation, replica.retired_reason)
         with self._lock:
+            self.retirements += 1
             self.last_retirement = f"replica {replica.replica} retired: {replica.retired_reason}"
             if not self._closing.is_set() and self.failure is None:
                 if self.restart_budget.max_restarts > 0:

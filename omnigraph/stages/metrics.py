@@ -2,7 +2,7 @@
 
 `StageRuntime.metrics()` builds one `EngineMetrics` from the stages', replicas' and ledger's own
 attributes (not from `describe()`, whose dicts are the execution plan's, for people): per stage its
-state, live replicas, restarts spent and each replica's calls, items and fenced calls, plus the
+state, live replicas, restarts spent, retirements and each replica's calls, items and fenced calls, plus the
 batching statistics of a graph stage; per ledger constraint its capacity and charges. Everything
 here is a plain value: reading it takes no lock and cannot change under the reader.
 """
@@ -84,7 +84,9 @@ class ReplicaMetrics:
 @dataclass(frozen=True, slots=True)
 class StageMetrics:
     """One stage: its state ("ok" | "degraded" | "recovering" | "unavailable" | "failed", as
-    `GraphStage.status`), replicas, restarts spent, and a graph stage's batching statistics."""
+    `GraphStage.status`), replicas, restarts spent (replacement starts, from the restart budget),
+    a graph stage's batching statistics, and how many of its replicas retired since the start
+    (`retirements`: a worker that died, broke the wire or hung; a native engine is never retired)."""
 
     stage_id: int
     execution_type: str
@@ -95,6 +97,7 @@ class StageMetrics:
     restarts: int
     replicas: tuple[ReplicaMetrics, ...]
     batching: BatchMetrics | None
+    retirements: int = 0
 
     @property
     def calls(self) -> int:

@@ -137,6 +137,16 @@ class Orchestrator:
         slots held for requests about to be admitted as a unit and by fenced calls still running."""
         return len(self._active) + self._held
 
+    def requests_by_phase(self) -> dict[Phase, int]:
+        """Admitted requests not yet acknowledged, by lifecycle phase (every phase, zeros
+        included): a snapshot for metrics, read under the lock; a request may move on meanwhile."""
+        with self._lock:
+            requests = list(self._active.values())
+        counts = dict.fromkeys(Phase, 0)
+        for request in requests:
+            counts[request.phase] += 1
+        return counts
+
     def _keep_slot(self) -> Callable[[], None]:
         """One queue slot for a fenced call still running (WorkItem.keep_admission); the returned
         function gives it back, once."""
