@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -93,6 +95,26 @@ def engine_args(backend: NativeBackendConfig) -> Any:
     )
 
 
+_MAIN_GUARD = re.compile(r"""^if\s+__name__\s*==\s*['"]__main__['"]\s*:""", re.MULTILINE)
+
+
+def unguarded_main_script() -> str | None:
+    """The path of the running script when it has no `if __name__ == "__main__":` guard, else None.
+
+    vLLM starts its engine core in a process that (under the spawn start method) imports the
+    parent's main script again; a script that builds an engine at import then fails there, and the
+    parent sees only an engine that did not start. This names the cause."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not isinstance(path, str) or not path.endswith(".py"):
+        return None  # an interactive session, `python -c`, or a frozen program: nothing is imported again
+    try:
+        source = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    return None if _MAIN_GUARD.search(source) else path
+
+
 class PoolingEngine:
     """A vLLM engine client and the event loop its calls run on; `owned` engines are ours to stop."""
 
@@ -127,6 +149,13 @@ class PoolingEngine:
             client = future.result(timeout)
         except BaseException as exc:
             future.add_done_callback(lambda done: _abandon(done, loop))  # a start still running ends first
+            script = unguarded_main_script()
+            if script is not None:
+                raise NativeStageError(stage_id, 0, f"vLLM {vllm.__version__} did not start {backend.model}: its "
+                                       f"engine process imports your script {script} again, which has no "
+                                       "`if __name__ == \"__main__\":` guard, so it starts omnigraph again instead "
+                                       "of vLLM's engine; put the code that builds Omni / AsyncOmni under that "
+                                       "guard") from None
             if isinstance(exc, TimeoutError):
                 raise NativeStageError(stage_id, 0, f"vLLM {vllm.__version__} did not start {backend.model} "
                                        f"within {timeout:g} s") from None
