@@ -80,7 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
     from omnigraph.plugin.server import serve
 
     serve(args.model, bundle=args.bundle, deploy_config=args.deploy_config, host=args.host, port=args.port,
-          api_key=args.api_key)
+          api_key=args.api_key,
+          served_model_names=args.served_model_name or ())
     return 0
 
 
@@ -136,6 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require 'Authorization: Bearer KEY' on every route but /health, /ready and /metrics "
                             "(none: $OMNIGRAPH_API_KEY if set, else no key)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="names clients may send as `model` (aliases, as vLLM's flag); answers carry the first "
+                            "(none: the pipeline's name)")
 
     bundle = _command(commands, "bundle", "pack, verify, inspect, build or synthesise bundles")
     bundle_commands = bundle.add_subparsers(dest="bundle_command", required=True, metavar="ACTION")

@@ -26,7 +26,7 @@ import logging.config
 import os
 import resource
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
@@ -117,9 +117,12 @@ def served_model_name(model: str | None, deploy_config: str | None) -> str:
 
 
 def build_service(model: str | None, *, bundle: str | None = None, deploy_config: str | None = None,
-                  deadline_s: float = DEFAULT_DEADLINE_S, served_engine: ServedEngine | None = None) -> DecisionService:
+                  deadline_s: float = DEFAULT_DEADLINE_S, served_engine: ServedEngine | None = None,
+                  served_model_names: Sequence[str] | None = None) -> DecisionService:
     """A service whose engine is an `AsyncOmni` built (in a thread) when the app starts;
-    `served_engine` (inside `vllm serve`) is the vLLM engine a native stage uses."""
+    `served_engine` (inside `vllm serve`) is the vLLM engine a native stage uses;
+    `served_model_names` are the names clients may use, the first the one answers carry (default:
+    the pipeline's name)."""
     from omnigraph.plugin.omni import AsyncOmni
 
     def start_engine(cancel: StartCancel) -> AsyncOmni:
@@ -127,7 +130,8 @@ def build_service(model: str | None, *, bundle: str | None = None, deploy_config
         return AsyncOmni(model=model, deploy_config=deploy_config, bundle=bundle, warmup=False,
                          served_engine=served_engine, cancel=cancel)
 
-    return DecisionService(start_engine, model_name=served_model_name(model, deploy_config), deadline_s=deadline_s)
+    return DecisionService(start_engine, model_name=served_model_name(model, deploy_config), deadline_s=deadline_s,
+                           served_model_names=served_model_names or ())
 
 
 def check_serve_arguments(model: str | None, bundle: str | None, deploy_config: str | None) -> None:
@@ -163,15 +167,18 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(model: str | None, *, bundle: str | None, deploy_config: str | None, host: str, port: int,
-          api_key: str | None = None) -> None:
+          api_key: str | None = None,
+          served_model_names: Sequence[str] = ()) -> None:
     """Serve `model` on `host:port` until interrupted; raises `ServerStartupError` if it cannot start.
-    `api_key` (`--api-key`, else $OMNIGRAPH_API_KEY): the bearer key every route but the probes needs."""
+    `api_key` (`--api-key`, else $OMNIGRAPH_API_KEY): the bearer key every route but the probes needs.
+    `served_model_names` (`--served-model-name`): the names clients may use, the first the one
+    answers carry."""
     check_serve_arguments(model, bundle, deploy_config)
     api_key = api_key if api_key is not None else api_key_from_env()
     sock = listening_socket(host, port)
     logging.config.dictConfig(logging_config(log_probes=log_probes_from_env()))
     service = build_service(model, bundle=bundle, deploy_config=deploy_config,
-                            deadline_s=request_deadline_from_env())
+                            deadline_s=request_deadline_from_env(), served_model_names=served_model_names)
     failures: list[str] = []
     server: uvicorn.Server
 

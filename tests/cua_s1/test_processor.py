@@ -11,7 +11,7 @@ import re
 import numpy as np
 import pytest
 
-from omnigraph.pipelines.cua_s1.processor import CuaS1Processor
+from omnigraph.pipelines.cua_s1.processor import CuaS1Processor, allowed_token_set_hash
 from omnigraph.pipelines.processor import ProcessorOutputInvalid, RequestInvalid, RequestTooLarge
 
 
@@ -82,6 +82,13 @@ def test_finish_is_a_softmax_over_the_questions_own_letters(cua_processor):
     assert response["model"] == "cua_s1"
     assert response["usage"] == {"input_tokens": sum(len(w["prompt_token_ids"]) for w in prepared.work),
                                  "output_tokens": 0}
+    # the audit's lists follow question order; each question may answer with its own first n letters
+    audit = response["audit"]
+    assert audit["input_tokens"] == [len(w["prompt_token_ids"]) for w in prepared.work]
+    assert audit["prompt_template_sha256"] == [cua_processor.audit()["prompt_template_sha256"]] * 2
+    ids = cua_processor._letter_ids
+    assert audit["allowed_token_set_hash"] == [allowed_token_set_hash(ids[:3]), allowed_token_set_hash(ids[:2])]
+    assert len(set(audit["allowed_token_set_hash"])) == 2
 
 
 def test_ties_go_to_the_first_option_and_uniform_means_no_confidence(cua_processor):
@@ -128,6 +135,10 @@ def test_audit_names_the_bundle_and_template(cua_processor, cua_bundle):
     assert audit["model_hash"] == cua_bundle.manifest_sha256
     assert audit["prompt_template_sha256"] == cua_bundle.manifest.files["prompt_template.json"]
     assert audit["precision"] == "fp32" and audit["calibration_version"]
+    # the LoRA merged into the backbone is named by its adapter file's sha256
+    assert audit["adapter_hash"] == cua_bundle.manifest.metadata.layout["lora"]["adapter_sha256"]
+    assert audit["allowed_token_set_hash"] == allowed_token_set_hash(cua_bundle.manifest.metadata.layout[
+        "letter_token_ids"])
 
 
 def test_processor_refuses_other_bundles(cua_bundle):

@@ -84,7 +84,10 @@ def test_finish_answers_every_question_in_request_order(processor):
     assert list(response["answers"]["team"]["probabilities"]) == ["billing", "shipping", "other"]
     tokens = dict(zip(["refund", "team", "urgency"], prepared.context.row_tokens))
     assert response["usage"] == {"input_tokens": sum(tokens.values()), "output_tokens": 0}
-    assert response["audit"] == {"input_tokens": tokens}
+    audit = processor.audit()
+    assert response["audit"] == {"prompt_template_sha256": [audit["prompt_template_sha256"]] * 3,
+                                 "allowed_token_set_hash": [audit["allowed_token_set_hash"]] * 3,
+                                 "input_tokens": list(tokens.values())}  # lists in question order
     assert processor.finish(processor.prepare({**REQUEST, "model": "english"}),
                             _fake_outputs(prepared))["model"] == "english"
 
@@ -165,7 +168,7 @@ def test_a_request_without_questions_needs_no_forward_pass(processor):
     assert prepared.work == ()
     assert processor.finish(prepared, []) == {
         "model": "laya", "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0},
-        "audit": {"input_tokens": {}}}
+        "audit": {"prompt_template_sha256": [], "allowed_token_set_hash": [], "input_tokens": []}}
 
 
 @pytest.mark.parametrize("damage, message", [

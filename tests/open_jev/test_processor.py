@@ -55,8 +55,9 @@ def test_answers_match_the_reference_scores(jev_processor, jev_reference):
     assert response["model"] == "open-jev-tiny"
     assert_matches_reference(response, REQUEST, jev_reference, tol=1e-4)
     assert response["answers"]["labels"]["probabilities"].keys() == {"late", "billing", 7}
-    assert response["audit"]["input_tokens"] == {
-        qid: int(work["prompt_lengths"].sum()) for qid, work in zip(REQUEST["questions"], prepared.work)}
+    assert response["audit"]["input_tokens"] == [int(work["prompt_lengths"].sum()) for work in prepared.work]
+    assert response["audit"]["prompt_template_sha256"] == [jev_processor.audit()["prompt_template_sha256"]] * len(
+        prepared.work)
 
 
 def _finish(processor, request, scores_by_question):

@@ -95,7 +95,13 @@ def test_the_response_counts_prompt_tokens_only_and_audits_them_per_question():
         "model": "demo",
         "answers": {"first": answers[0], 7: answers[1]},
         "usage": {"input_tokens": 42, "output_tokens": 0},
-        "audit": {"input_tokens": {"first": 12, 7: 30}},
+        "audit": {"input_tokens": [12, 30]},
     }
+    audited = decision_response("demo", ["first", 7], answers, [12, 30], prompt_template_sha256="t",
+                                allowed_token_set_hash=["a", "b"])["audit"]
+    assert audited == {"prompt_template_sha256": ["t", "t"], "allowed_token_set_hash": ["a", "b"],
+                       "input_tokens": [12, 30]}
+    with pytest.raises(ValueError, match="allowed_token_set_hash"):
+        decision_response("demo", ["first", 7], answers, [12, 30], allowed_token_set_hash=["a"])
     with pytest.raises(ValueError):
         decision_response("demo", ["first", 7], answers[:1], [12, 30])

@@ -9,8 +9,8 @@ import pytest
 REFUND_REQUEST = {"state": "Please refund the duplicate charge.",
                   "questions": {"refund": {"type": "noul", "instructions": "Does the customer ask for a refund?"}}}
 
-AUDIT_KEYS = {"model_hash", "calibration_version", "prompt_template_sha256", "allowed_token_set_hash", "precision",
-              "backend"}
+AUDIT_KEYS = {"model_hash", "adapter_hash", "calibration_version", "prompt_template_sha256", "allowed_token_set_hash",
+              "precision", "backend", "input_tokens"}
 
 
 def _post(server, path, body=None, **kwargs):
@@ -31,8 +31,8 @@ def test_readme_refund_example_is_a_well_formed_answer(demo_server):
     assert 0.0 <= refund["noul"] <= 1.0 and refund["confidence"] == round(max(refund["noul"], 1 - refund["noul"]), 4)
     assert 0.0 <= refund["action"]["act_probability"] <= 1.0
     assert body["usage"]["input_tokens"] > 0 and body["usage"]["output_tokens"] == 0
-    assert AUDIT_KEYS <= body["audit"].keys()
-    assert body["audit"]["input_tokens"] == {"refund": body["usage"]["input_tokens"]}
+    assert body["audit"].keys() == AUDIT_KEYS
+    assert body["audit"]["input_tokens"] == [body["usage"]["input_tokens"]]  # one per question, in order
     assert body["audit"]["backend"].startswith("onnxruntime ") and "CPUExecutionProvider" in body["audit"]["backend"]
 
 
@@ -56,9 +56,16 @@ def test_an_invalid_question_is_422_naming_the_field(demo_server):
     assert "questions.refund.type" in response.json()["detail"] or "maybe" in response.json()["detail"]
 
 
-def test_a_model_this_server_does_not_serve_is_422(demo_server):
-    response = _post(demo_server, "/v1/systemone", {**REFUND_REQUEST, "model": "english"})
-    assert response.status_code == 422 and response.json()["field"] == "model"
+def test_a_path_or_a_checkpoint_this_server_does_not_serve_is_422(demo_server):
+    for model in ("./english", "cua_s1"):
+        response = _post(demo_server, "/v1/systemone", {**REFUND_REQUEST, "model": model})
+        assert response.status_code == 422 and response.json()["field"] == "model"
+
+
+def test_a_client_model_id_that_names_no_checkpoint_is_the_served_model(demo_server):
+    # laya-serve's reading: a Jev client's own id is "no explicit model"
+    response = _post(demo_server, "/v1/systemone", {**REFUND_REQUEST, "model": "jev-latest"})
+    assert response.status_code == 200 and response.json()["model"] == "laya"
 
 
 def test_batch_answers_or_fails_each_state_on_its_own(demo_server):
@@ -69,9 +76,11 @@ def test_batch_answers_or_fails_each_state_on_its_own(demo_server):
     body = response.json()
     first, failed, third = body["results"]
     assert first["answers"]["refund"]["type"] == "noul" and third["answers"]["refund"]["type"] == "noul"
-    assert failed["status"] == 422 and failed["field"] == "state"
+    assert failed["error"]["code"] == "invalid_request" and failed["error"]["field"] == "state"
+    assert [result["id"].rsplit("-", 1)[1] for result in body["results"]] == ["0", "1", "2"]
     assert body["total_usage"]["input_tokens"] == first["usage"]["input_tokens"] + third["usage"]["input_tokens"]
-    assert AUDIT_KEYS <= body["audit"].keys() and AUDIT_KEYS <= first["audit"].keys()
+    assert body["audit"].keys() == AUDIT_KEYS and first["audit"].keys() == AUDIT_KEYS
+    assert body["audit"]["input_tokens"] == [first["usage"]["input_tokens"] + third["usage"]["input_tokens"]]
 
 
 def test_a_batch_answer_equals_the_single_answer(demo_server):

@@ -94,7 +94,7 @@ def test_a_worker_killed_while_idle_turns_health_to_503_at_once_and_is_replaced(
         os.kill(worker, sig)
         _wait_for(lambda: httpx.get(f"{server.url}/health").status_code == 503, "health reports the dead worker", 5)
         health = httpx.get(f"{server.url}/health")
-        assert health.json()["status"] == "recovering" and "exited while idle" in health.json()["reason"]
+        assert health.json()["status"] == "backend_unavailable" and "exited while idle" in health.json()["reason"]
         assert "Retry-After" in health.headers
         _assert_a_new_generation_serves(server, worker)  # started without any request asking for it
     finally:

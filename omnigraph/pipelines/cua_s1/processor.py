@@ -12,6 +12,8 @@ own options (T = 1 unless the bundle's calibration says otherwise), ties to the 
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -29,7 +31,7 @@ if TYPE_CHECKING:
     from omnigraph.bundles import VerifiedBundle
 
 __all__ = ["COMPONENT", "INPUT_NAME", "OUTPUT_NAME", "DEFAULT_MODEL_NAME", "WARMUP_REQUEST", "CuaS1Context",
-           "CuaS1Processor", "letter_answer"]
+           "CuaS1Processor", "allowed_token_set_hash", "letter_answer"]
 
 #: The bundle component this processor feeds, and its head's input and output.
 COMPONENT = "cua_s1.head"
@@ -65,6 +67,12 @@ def letter_answer(question: ChoiceQuestion, logits: np.ndarray, temperature: flo
     slot_logits = np.asarray(logits, dtype=np.float32)[:len(question.keys)]
     p = to_option_order(softmax(slot_logits / np.float32(temperature)), question.slot_order)
     return choice_answer(question.keys, p)
+
+
+def allowed_token_set_hash(token_ids: Sequence[int]) -> str:
+    """sha256 of the answer-letter token ids a question may answer with, as the JSON list
+    ``[id, ...]`` in letter order (compact separators)."""
+    return hashlib.sha256(json.dumps(list(token_ids), separators=(",", ":")).encode("ascii")).hexdigest()
 
 
 def _checked_layout(bundle: VerifiedBundle) -> Mapping[str, Any]:
@@ -115,12 +123,18 @@ class CuaS1Processor:
         self._temperature = _checked_temperature(bundle)
         self._limits = limits
         metadata = bundle.manifest.metadata
+        self._letter_ids: list[int] = list(layout["letter_token_ids"])
+        lora = layout.get("lora")
         self._audit = {
             "model_hash": bundle.manifest_sha256,
+            # The LoRA is merged into the backbone's weights; its own file's sha256 names it.
+            "adapter_hash": lora.get("adapter_sha256") if isinstance(lora, Mapping) else None,
             "checkpoint_revision": metadata.checkpoint_revision,
             "calibration_version": (metadata.calibration or {}).get("version", ""),
             "prompt_template_sha256": bundle.manifest.files[layout["prompt_template_file"]],
+            "allowed_token_set_hash": allowed_token_set_hash(self._letter_ids),
             "precision": metadata.precision,
+            "component": bundle.manifest.component,
         }
 
     def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
@@ -155,13 +169,22 @@ class CuaS1Processor:
                 raise ProcessorOutputInvalid(f"output {item} {OUTPUT_NAME!r} has shape {logits.shape}, "
                                              f"expected (1, {len(LETTERS)})")
             answers.append(letter_answer(question, logits[0], self._temperature))
-        return decision_response(context.request.model or DEFAULT_MODEL_NAME, [q.qid for q in questions], answers,
-                                 context.prompt_tokens)
+        return decision_response(
+            context.request.model or DEFAULT_MODEL_NAME, [q.qid for q in questions], answers, context.prompt_tokens,
+            prompt_template_sha256=self._audit["prompt_template_sha256"],
+            allowed_token_set_hash=[allowed_token_set_hash(self._letter_ids[:len(q.keys)]) for q in questions])
 
     def warmup_request(self) -> dict:
         """A three-option sign-up decision (a fresh copy each time)."""
         return copy.deepcopy(WARMUP_REQUEST)
 
     def audit(self) -> dict:
-        """The bundle, checkpoint, calibration, prompt template and precision that produce the answers."""
+        """The bundle, adapter, checkpoint, calibration, prompt template, answer letters and precision
+        that produce the answers (``allowed_token_set_hash``: all 26 letters; a response names each
+        question's own first n)."""
         return dict(self._audit)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The size limits every request is checked against."""
+        return self._limits

@@ -119,10 +119,13 @@ class LayaProcessor:
         self._head_memo_limits = (_HEAD_MEMO_ENTRIES, _HEAD_MEMO_MAX_CHARS)
         self._audit = {
             "model_hash": self._bundle.manifest_sha256,
+            "adapter_hash": None,  # a Laya checkpoint has no adapter
             "calibration_version": self._calibration.version,
             "prompt_template_sha256": hashlib.sha256(PROMPT_TEMPLATE.encode("utf-8")).hexdigest(),
             "allowed_token_set_hash": self._tokenizer.vocabulary_sha256(),
             "precision": metadata.precision,
+            "component": self._bundle.manifest.component,
+            "checkpoint_revision": metadata.checkpoint_revision,
         }
 
     @property
@@ -182,7 +185,8 @@ class LayaProcessor:
             for row, index in enumerate(batch):
                 answers[index] = decode_answer(questions[index], logits[row], acts[row], self._calibration)
         return decision_response(context.request.model or DEFAULT_MODEL_NAME, [q.qid for q in questions], answers,
-                                 context.row_tokens)
+                                 context.row_tokens, prompt_template_sha256=self._audit["prompt_template_sha256"],
+                                 allowed_token_set_hash=self._audit["allowed_token_set_hash"])
 
     @staticmethod
     def _checked_outputs(item: int, work: Mapping[str, np.ndarray],
@@ -206,3 +210,8 @@ class LayaProcessor:
     def audit(self) -> dict:
         """The bundle, calibration, prompt template and token set that produce the answers."""
         return dict(self._audit)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The size limits every request is checked against."""
+        return self._limits

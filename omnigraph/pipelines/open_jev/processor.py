@@ -141,13 +141,21 @@ class OpenJevProcessor:
         except ValueError as exc:
             raise ValueError(f"{self._bundle.manifest_path}: {exc}") from None
         self._limits = limits
+        tokenizer_sha256 = self._bundle.manifest.files[f"{backbone_dir}/tokenizer.json"]
+        self._template_sha256 = self._bundle.manifest.files[PROMPT_TEMPLATE_FILE]
+        self._tokenizer_sha256 = tokenizer_sha256
         self._audit = {
             "model_hash": self._bundle.manifest_sha256,
+            "adapter_hash": None,  # an Open-Jev checkpoint has no adapter
             "calibration_version": self._calibration.version,
             "temperature": self._calibration.temperature,
-            "prompt_template_sha256": self._bundle.manifest.files[PROMPT_TEMPLATE_FILE],
-            "tokenizer_sha256": self._bundle.manifest.files[f"{backbone_dir}/tokenizer.json"],
+            "prompt_template_sha256": self._template_sha256,
+            "tokenizer_sha256": tokenizer_sha256,
+            # The head scores whole candidate prompts, so a prompt may hold any token of the tokenizer.
+            "allowed_token_set_hash": self._tokenizer_sha256,
             "precision": metadata.precision,
+            "component": self._bundle.manifest.component,
+            "checkpoint_revision": metadata.checkpoint_revision,
         }
 
     @property
@@ -202,7 +210,8 @@ class OpenJevProcessor:
         answers = [decode_answer(question, self._checked_scores(item, output, count), self._calibration)
                    for item, (question, output, count) in enumerate(zip(questions, outputs, context.prompt_counts))]
         return decision_response(context.request.model or DEFAULT_MODEL_NAME, [q.qid for q in questions], answers,
-                                 context.prompt_tokens)
+                                 context.prompt_tokens, prompt_template_sha256=self._template_sha256,
+                                 allowed_token_set_hash=self._tokenizer_sha256)
 
     @staticmethod
     def _checked_scores(item: int, output: Mapping[str, np.ndarray], count: int) -> np.ndarray:
@@ -224,3 +233,8 @@ class OpenJevProcessor:
     def audit(self) -> dict:
         """The bundle, calibration, prompt template and tokenizer that produce the answers."""
         return dict(self._audit)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The size limits every request is checked against."""
+        return self._limits

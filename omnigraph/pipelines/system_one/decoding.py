@@ -121,12 +121,35 @@ def question_answer(question: AnsweredQuestion, p: np.ndarray) -> dict[str, Any]
 
 
 def decision_response(model: str, qids: Sequence[str | int], answers: Sequence[dict[str, Any]],
-                      input_tokens: Sequence[int]) -> dict[str, Any]:
+                      input_tokens: Sequence[int], *, prompt_template_sha256: str | Sequence[str] | None = None,
+                      allowed_token_set_hash: str | Sequence[str] | None = None) -> dict[str, Any]:
     """The Decision API's response: each question's answer, usage counting prompt tokens only (a
-    decision generates none), and each question's input tokens in the response's audit."""
+    decision generates none), and the request's audit as the System One schema has it: lists in
+    question order, ``prompt_template_sha256`` and ``allowed_token_set_hash`` (one hash given for
+    every question, or one per question; left out when None) and ``input_tokens``."""
+    answered = dict(zip(qids, answers, strict=True))
+    tokens = [int(count) for count in input_tokens]
+    if len(tokens) != len(answered):
+        raise ValueError(f"{len(tokens)} input token counts for {len(answered)} questions")
+    audit: dict[str, list] = {}
+    for key, value in (("prompt_template_sha256", prompt_template_sha256),
+                       ("allowed_token_set_hash", allowed_token_set_hash)):
+        if value is not None:
+            audit[key] = _per_question(key, value, len(answered))
+    audit["input_tokens"] = tokens
     return {
         "model": model,
-        "answers": dict(zip(qids, answers, strict=True)),
-        "usage": {"input_tokens": sum(input_tokens), "output_tokens": 0},
-        "audit": {"input_tokens": dict(zip(qids, input_tokens, strict=True))},
+        "answers": answered,
+        "usage": {"input_tokens": sum(tokens), "output_tokens": 0},
+        "audit": audit,
     }
+
+
+def _per_question(key: str, value: str | Sequence[str], count: int) -> list[str]:
+    """`value` for each of `count` questions: one hash repeated, or one per question already."""
+    if isinstance(value, str):
+        return [value] * count
+    hashes = list(value)
+    if len(hashes) != count:
+        raise ValueError(f"{len(hashes)} {key} values for {count} questions")
+    return hashes

@@ -2,13 +2,25 @@
 
 Routes
   POST /v1/systemone          laya-serve's decision API: `{"model"?, "state", "questions"}` ->
-                              `{"model", "answers", "usage", "audit"}`.
+                              `{"model", "answers", "usage", "audit"}`; the audit in the System One
+                              schema: `model_hash`, `adapter_hash` (null when none),
+                              `calibration_version`, `backend`, `precision` and, in question order,
+                              `prompt_template_sha256`, `allowed_token_set_hash`, `input_tokens`.
+                              `model`: a served name (`--served-model-name`), the pipeline's name,
+                              or a client's own id naming no checkpoint (`jev-latest`: the served
+                              model answers); a path or another installed pipeline is a 422.
   POST /v1/systemone/batch    `{"model"?, "states": [1..64], "questions"}` -> `{"model", "results",
-                              "total_usage", "audit"}`; each result is the single route's answer or
-                              that state's own error (`{"status", "detail", "field"?}`).
+                              "total_usage", "audit"}`; one result per state, in order: `{"id",
+                              "answers", "usage", "audit"}`, or `{"id", "error": {"code", "message",
+                              "field"}}` for that state alone. Admitted as a unit (503 for all).
   POST /v1/chat/completions   OpenAI structured outputs mapped onto decisions (`openai_schema`).
-  GET  /v1/models             the served model.
-  GET  /health                200 while serving or starting; 503 `{"status": "failed", "reason"}`.
+  GET  /v1/models             OpenAI's list, one entry per served name, each also System One's
+                              `{"name", "description", "release_date", "avrik": {"hashes",
+                              "backend", "limits"}}`.
+  GET  /health                `{"status": "ok" | "backend_unavailable", "model_hash",
+                              "calibration_version", "prompt_template_sha256", "backend",
+                              "precision"}` (+ `reason` when not ok): 200 while serving or
+                              starting, 503 while a stage cannot serve.
   GET  /ready                 200 once the pipeline started and its warmup request passed; 503
                               with Retry-After before.
   GET  /metrics               Prometheus: requests by route and status, latency per route and per

@@ -2,7 +2,11 @@
 
 The request body goes to the model's processor as it is (minus `model`): the processor validates
 the whole of it before anything reaches a stage, so its field names and limits live in one place.
-Every answer carries an `audit` object saying what produced it.
+Every answer carries an `audit` object saying what produced it, in the System One schema:
+`model_hash`, `adapter_hash` (null when there is none), `calibration_version`, `backend`,
+`precision`, then the lists in question order `prompt_template_sha256`, `allowed_token_set_hash`
+and `input_tokens`. A batch answers one result per state, in order: `{"id", "answers", "usage",
+"audit"}` or `{"id", "error": {"code", "message", "field"}}`.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from omnigraph.plugin.api.errors import ApiError, decision_error_body
+from omnigraph.plugin.api.errors import ApiError
 from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json, run_decision
 from omnigraph.plugin.api.service import Decision, DecisionService
 
@@ -23,11 +27,36 @@ MAX_BATCH_STATES = 64
 router = APIRouter()
 
 
+def _names_a_path(text: str) -> bool:
+    """True when `text` is written as a filesystem path or a `org/repo` id (a slash or backslash,
+    or a leading `.` or `~`), not as a model name: laya-serve's test for the same refusal."""
+    return text[:1] in (".", "~") or "/" in text or "\\" in text
+
+
 def check_model(body: dict, service: DecisionService) -> None:
-    """`model` is optional; when given it must name the served model (422 naming `model`)."""
+    """`model` is optional. One of the served names (or the pipeline's own) is this model; so is a
+    client's own model id that names no checkpoint (a Jev client's `jev-latest`): as laya-serve has
+    it, that is "no explicit model", answered by the served model. Refused (422 naming `model`):
+    a value that is not a string, a path, or another checkpoint this server knows of and does not
+    serve (another installed pipeline)."""
     model = body.get("model")
-    if model is not None and model != service.model_name:
-        raise ApiError(422, f"unknown model {model!r}; this server serves {service.model_name!r}",
+    if model is None or (isinstance(model, str) and (not model.strip() or service.serves(model))):
+        return
+    if not isinstance(model, str):
+        raise ApiError(422, f"model must be a string, got {type(model).__name__}", code="invalid_request",
+                       field="model")
+    text = model.strip()
+    if service.serves(text):
+        return
+    if _names_a_path(text):
+        raise ApiError(422, f"model {model!r} is a path or repository id; this server loads no model per request "
+                            f"and serves {service.model_name!r}: omit model or send {service.model_name!r}",
+                       code="model_not_found", field="model")
+    from omnigraph.pipelines.registry import available_pipelines
+
+    if text.casefold() in {name.casefold() for name in available_pipelines()}:
+        raise ApiError(422, f"unknown model {model!r}: this server serves {service.model_name!r}, not that "
+                            f"checkpoint; omit model or send {service.model_name!r}",
                        code="model_not_found", field="model")
 
 
@@ -57,11 +86,24 @@ async def systemone(request: Request) -> JSONResponse:
 
 
 async def _batch_item(request: Request, prompt: dict, request_id: str, hold: Any) -> dict:
-    """One state's answer, or its own error (`status`, `detail`, `field`): one failure fails only itself."""
+    """One state's result: `{"id", "answers", "usage", "audit"}`, or `{"id", "error": {"code",
+    "message", "field"}}` for its own failure, which fails only itself."""
     try:
-        return answer_body(request.app.state.service, await run_decision(request, prompt, request_id, hold=hold))
+        answer = answer_body(request.app.state.service, await run_decision(request, prompt, request_id, hold=hold))
     except ApiError as error:
-        return {"status": error.status, **decision_error_body(error)}
+        return {"id": request_id, "error": {"code": error.code, "message": error.message, "field": error.field}}
+    return {"id": request_id, "answers": answer["answers"], "usage": answer["usage"], "audit": answer["audit"]}
+
+
+def _batch_audit(service: DecisionService, answered: list[dict]) -> dict:
+    """The batch's audit in the single route's schema: the shared questions in order, each with
+    its input tokens summed over the states that answered."""
+    if not answered:
+        return service.response_audit({})
+    audit = dict(answered[0]["audit"])
+    audit["input_tokens"] = [sum(tokens) for tokens in zip(*(result["audit"]["input_tokens"] for result in answered),
+                                                            strict=True)]
+    return audit
 
 
 @router.post("/v1/systemone/batch")
@@ -86,4 +128,4 @@ async def systemone_batch(request: Request) -> JSONResponse:
     total_usage = {key: sum(result["usage"].get(key, 0) for result in answered)
                    for key in ("input_tokens", "output_tokens")}
     return JSONResponse({"model": service.model_name, "results": list(results), "total_usage": total_usage,
-                         "audit": service.audit()})
+                         "audit": _batch_audit(service, answered)})

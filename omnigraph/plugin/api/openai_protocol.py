@@ -119,10 +119,17 @@ class ChatCompletionChunk(BaseModel):
 
 
 class ModelCard(BaseModel):
+    """OpenAI's model object and, on the same entry, System One's: `{name, description,
+    release_date, avrik: {hashes, backend, limits}}`."""
+
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "omnigraph"
+    name: str
+    description: str | None
+    release_date: str | None
+    avrik: dict[str, Any]
 
 
 class ModelList(BaseModel):

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from omnigraph.plugin.api.decision import MAX_BATCH_STATES
 from omnigraph.plugin.api.errors import ApiError
 from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json, run_decision
 from omnigraph.plugin.api.openai_protocol import (
@@ -43,8 +44,12 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def models(request: Request) -> JSONResponse:
+    """OpenAI's model list, one entry per served name (the first is the name answers carry), each
+    also a System One model entry."""
     service: DecisionService = request.app.state.service
-    cards = ModelList(data=[ModelCard(id=service.model_name, created=request.app.state.started_at)])
+    server_limits = {"max_batch_states": MAX_BATCH_STATES, "max_body_bytes": request.app.state.max_body_bytes}
+    cards = ModelList(data=[ModelCard(id=card["name"], created=request.app.state.started_at, **card)
+                            for card in service.model_cards(server_limits)])
     return JSONResponse(cards.model_dump())
 
 
@@ -68,7 +73,7 @@ def _stream(completion: ChatCompletion, include_usage: bool) -> Iterator[str]:
 async def chat_completions(request: Request):
     service: DecisionService = request.app.state.service
     chat = parse_chat_request(await read_json(request, request.app.state.max_body_bytes))
-    if chat.model != service.model_name:
+    if not service.serves(chat.model):
         raise ApiError(404, f"the model {chat.model!r} does not exist; this server serves {service.model_name!r}",
                        code="model_not_found", field="model")
     plan = plan_decisions(chat)

@@ -1,4 +1,4 @@
-"""Operational routes: liveness, readiness, Prometheus metrics."""
+"""Operational routes: liveness (System One's health body), readiness, Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -13,17 +13,23 @@ router = APIRouter()
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    """200 while the process can serve (or is still starting); 503 with the reason while a stage
-    cannot serve: `recovering` (with Retry-After) while it comes back by itself, `failed` when not."""
+    """The System One health body: `{"status": "ok" | "backend_unavailable", "model_hash",
+    "calibration_version", "prompt_template_sha256", "backend", "precision"}` (null before the
+    pipeline started), plus `reason` whenever the status is not ok. 200 while the process can
+    serve or is still starting; 503 while a stage cannot serve, with Retry-After while it comes
+    back by itself."""
     service: DecisionService = request.app.state.service
+    fields = service.health_fields()
     failure = service.health_failure()
     if failure is not None:
-        return JSONResponse({"status": "failed", "reason": failure}, status_code=503)
+        return JSONResponse({"status": "backend_unavailable", **fields, "reason": failure}, status_code=503)
     recovering = service.health_recovering()
     if recovering is not None:
-        return JSONResponse({"status": "recovering", "reason": recovering}, status_code=503,
+        return JSONResponse({"status": "backend_unavailable", **fields, "reason": recovering}, status_code=503,
                             headers={"Retry-After": str(NOT_READY_RETRY_AFTER_S)})
-    return JSONResponse({"status": "ok" if service.ready else "starting", "model": service.model_name})
+    if not service.ready:  # alive, so a liveness probe keeps it: /ready says when it can answer
+        return JSONResponse({"status": "backend_unavailable", **fields, "reason": "the pipeline is still starting"})
+    return JSONResponse({"status": "ok", **fields})
 
 
 @router.get("/ready")

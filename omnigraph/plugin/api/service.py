@@ -9,10 +9,11 @@ freed, and turns engine exceptions into `ApiError`s with the statuses the HTTP c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -76,6 +77,31 @@ def backend_description(execution_plan: Mapping[str, Any]) -> str:
     return " -> ".join(stages)
 
 
+#: The System One audit's server-wide fields, and the hashes its list fields repeat per question.
+SERVER_AUDIT_KEYS = ("model_hash", "adapter_hash", "calibration_version", "backend", "precision")
+QUESTION_HASH_KEYS = ("prompt_template_sha256", "allowed_token_set_hash")
+
+
+def _question_list(value: Any, count: int) -> list:
+    """A per-question audit value as a list in question order: a list as it is, a mapping keyed
+    by question as its values, one value repeated `count` times, nothing as []."""
+    if value is None:
+        return []
+    if isinstance(value, list | tuple):
+        return list(value)
+    if isinstance(value, Mapping):
+        return list(value.values())
+    return [value] * count
+
+
+def _request_limits(engine: DecisionEngine) -> dict[str, int]:
+    """The processor's request limits (`RequestLimits`) as a dict; {} where it declares none."""
+    limits = getattr(getattr(engine, "processor", None), "limits", None)
+    if limits is None or not dataclasses.is_dataclass(limits) or isinstance(limits, type):
+        return {}
+    return {key: value for key, value in dataclasses.asdict(limits).items() if isinstance(value, int)}
+
+
 def _retry_after(seconds: float) -> dict[str, str]:
     """The Retry-After header for a retry hint: whole seconds, at least one."""
     return {"Retry-After": str(max(1, round(seconds)))}
@@ -93,16 +119,25 @@ class DecisionService:
     """Owns the engine for one server: startup, readiness, failure and per-request execution."""
 
     def __init__(self, start_engine: Callable[[StartCancel], DecisionEngine], *, model_name: str,
-                 deadline_s: float = DEFAULT_DEADLINE_S) -> None:
+                 deadline_s: float = DEFAULT_DEADLINE_S, served_model_names: Sequence[str] = ()) -> None:
+        """`model_name` is the served pipeline; `served_model_names` (vLLM's `--served-model-name`)
+        are the names clients may use for it, the first being the name it answers as (default: the
+        pipeline's own name)."""
         if not deadline_s > 0:
             raise ValueError(f"deadline_s must be positive, got {deadline_s!r}")
+        names = tuple(served_model_names)
+        if any(not isinstance(name, str) or not name.strip() for name in names):
+            raise ValueError(f"served model names must be non-empty strings, got {list(names)!r}")
         self._start_engine = start_engine
-        self.model_name = model_name
+        self.pipeline_name = model_name
+        self.served_model_names: tuple[str, ...] = tuple(dict.fromkeys(names)) or (model_name,)
+        self.model_name = self.served_model_names[0]
         self.deadline_s = deadline_s
         self.engine: DecisionEngine | None = None
         self.ready = False
         self.failure: str | None = None
         self._audit: dict = {}
+        self._limits: dict[str, int] = {}
         self._cancel = StartCancel()
         self._starting: asyncio.Future[DecisionEngine] | None = None
 
@@ -116,6 +151,7 @@ class DecisionService:
         try:
             self.engine = await asyncio.shield(self._starting)
             self._audit = {**self.engine.audit(), "backend": backend_description(self.engine.execution_plan)}
+            self._limits = _request_limits(self.engine)
             warmup = self.engine.warmup_request()
             await self.decide(warmup, request_id=f"warmup-{uuid.uuid4().hex}", deadline_s=WARMUP_DEADLINE_S)
         except Exception as exc:  # startup failure: reported by /health and /ready, never a hang
@@ -158,13 +194,54 @@ class DecisionService:
         backoff, a changed bundle), or None."""
         return None if self.engine is None else self.engine.recovering()
 
+    def serves(self, name: str) -> bool:
+        """Whether `name` names the served model: one of its served names, or its pipeline's name."""
+        return name in self.served_model_names or name == self.pipeline_name
+
     def audit(self) -> dict:
-        """What serves every answer (bundle hash, calibration, template, precision, backend)."""
-        return dict(self._audit)
+        """What serves every answer: the System One audit's server-wide fields (`model_hash`,
+        `adapter_hash`, `calibration_version`, `backend`, `precision`; None until the engine
+        started, or where the model has none) and the hashes each question's audit repeats
+        (`prompt_template_sha256`, `allowed_token_set_hash`) as single strings."""
+        return {key: self._audit.get(key) for key in SERVER_AUDIT_KEYS + QUESTION_HASH_KEYS}
 
     def response_audit(self, response: Mapping[str, Any]) -> dict:
-        """The server's audit with what the processor recorded for this one request on top."""
-        return {**self._audit, **response.get("audit", {})}
+        """One response's audit in the System One schema: the server-wide fields, then the list
+        fields in question order (`prompt_template_sha256`, `allowed_token_set_hash`,
+        `input_tokens`), from what the processor recorded for this request; a hash it did not
+        record per question is the server's, repeated."""
+        recorded = response.get("audit") or {}
+        count = len(response.get("answers") or {})
+        audit: dict[str, Any] = {key: self._audit.get(key) for key in SERVER_AUDIT_KEYS}
+        for key in QUESTION_HASH_KEYS:
+            audit[key] = _question_list(recorded.get(key, self._audit.get(key)), count)
+        audit["input_tokens"] = [int(tokens) for tokens in _question_list(recorded.get("input_tokens"), 0)]
+        return audit
+
+    def health_fields(self) -> dict[str, Any]:
+        """What `/health` reports of the served model beside its status (None before the start)."""
+        return {"model_hash": self._audit.get("model_hash"),
+                "calibration_version": self._audit.get("calibration_version"),
+                "prompt_template_sha256": self._audit.get("prompt_template_sha256"),
+                "backend": self._audit.get("backend"), "precision": self._audit.get("precision")}
+
+    def model_cards(self, server_limits: Mapping[str, int]) -> list[dict[str, Any]]:
+        """`/v1/models`' entries, one per served name: `{name, description, release_date, avrik:
+        {hashes, backend, limits}}`; what the bundle does not say is None."""
+        hashes = {key: self._audit.get(key) for key in ("model_hash", "adapter_hash", "prompt_template_sha256",
+                                                           "allowed_token_set_hash", "calibration_version")}
+        avrik = {"hashes": hashes, "backend": self._audit.get("backend"),
+                 "limits": {**self._limits, **server_limits, "request_deadline_s": self.deadline_s}}
+        return [{"name": name, "description": self._description(), "release_date": self._audit.get("release_date"),
+                 "avrik": avrik} for name in self.served_model_names]
+
+    def _description(self) -> str | None:
+        """The served pipeline and what its bundle says of itself, or None before the start."""
+        if not self._audit:
+            return None
+        facts = [f"{key.replace('_', ' ')} {self._audit[key]}" for key in ("component", "checkpoint_revision",
+                                                                           "precision") if self._audit.get(key)]
+        return f"omnigraph pipeline {self.pipeline_name!r}" + (f" ({', '.join(facts)})" if facts else "")
 
     def queue_depth(self) -> int | None:
         return None if self.engine is None else self.engine.queue_depth()
