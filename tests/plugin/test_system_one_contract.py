@@ -7,11 +7,15 @@ with it. Strict types: a dict where a list belongs, or a string where a number b
 
 from __future__ import annotations
 
+import signal
+import time
 from typing import Any, Literal
 
 import httpx
 import pytest
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..serving import STARTUP_TIMEOUT_S
 
 SHA256_HEX = 64
 
@@ -186,6 +190,24 @@ def test_health_matches_the_schema_and_the_answers_audit(demo_server):
     assert health.model_hash == audit.model_hash and health.calibration_version == audit.calibration_version
     assert [health.prompt_template_sha256] * len(QUESTIONS) == audit.prompt_template_sha256
     assert (health.backend, health.precision) == (audit.backend, audit.precision)
+
+
+def test_health_while_starting_and_after_a_stage_failed_matches_the_schema(start_server, demo_deploy_config):
+    server = start_server("--deploy-config", str(demo_deploy_config(32, max_restarts=0)), ready=False)
+    server.wait_listening()
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while (response := httpx.get(f"{server.url}/health", timeout=10)).json()["status"] != "ok":
+        # still starting: alive (200), the backend not yet available, nothing known of it yet
+        assert response.status_code == 200 and time.monotonic() < deadline, response.text
+        HealthUnavailable.model_validate(response.json())
+        time.sleep(0.05)
+    Health.model_validate(response.json())
+    server.signal_workers(signal.SIGKILL)  # no restarts allowed: the stage fails for good
+    while (response := httpx.get(f"{server.url}/health", timeout=10)).status_code != 503:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    failed = HealthUnavailable.model_validate(response.json())
+    assert failed.model_hash and failed.backend and "stage" in response.json()["reason"]
 
 
 def test_models_match_the_schema_and_name_the_served_model(demo_server):
