@@ -71,10 +71,10 @@ class ServerProcess(serving.ServerProcess):
         return pids
 
     def metric(self, name: str) -> float:
-        """The value of one unlabelled Prometheus sample."""
+        """The value of the first Prometheus sample named `name`, whatever its labels (`model_name`)."""
         for line in httpx.get(f"{self.url}/metrics", timeout=10).text.splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+            if line.startswith((name + " ", name + "{")):
+                return float(line.rsplit(" ", 1)[1])
         raise KeyError(name)
 
     def stop(self) -> None:

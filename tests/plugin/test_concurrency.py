@@ -44,6 +44,7 @@ def test_64_clients_for_20_s_each_get_exactly_their_answers(start_server, demo_d
     assert all(count > 0 for count, _ in results)
     # The server answered exactly as many decisions as were sent: none lost, none duplicated.
     metrics = httpx.get(f"{server.url}/metrics").text
-    answered = re.search(r'omnigraph_http_requests_total\{route="/v1/systemone",status="200"\} (\S+)', metrics)
+    answered = re.search(r'omnigraph_http_requests_total\{model_name="laya",route="/v1/systemone",status="200"\} (\S+)',
+                         metrics)
     assert float(answered.group(1)) == sent
     assert server.metric("omnigraph_queue_depth") == 0

@@ -144,12 +144,12 @@ def test_a_content_length_that_understates_the_body_cannot_smuggle_more(demo_ser
 def test_metrics_count_requests_by_route_and_status(demo_server):
     _post(demo_server, "/v1/systemone", REFUND_REQUEST)
     text = httpx.get(f"{demo_server.url}/metrics").text
-    assert 'omnigraph_http_requests_total{route="/v1/systemone",status="200"}' in text
-    assert 'omnigraph_stage_duration_seconds_count{stage="0"}' in text
-    assert "omnigraph_queue_depth " in text
-    assert "omnigraph_ledger_reservations 1.0" in text  # the one graph worker's reservation
-    assert 'omnigraph_batch_requests_count{stage="0"}' in text  # the batcher's histograms, per stage
-    assert 'omnigraph_batch_padding_efficiency{stage="0"}' in text
+    assert 'omnigraph_http_requests_total{model_name="laya",route="/v1/systemone",status="200"}' in text
+    assert 'omnigraph_stage_duration_seconds_count{model_name="laya",stage="decision"}' in text
+    assert 'omnigraph_queue_depth{model_name="laya"} ' in text
+    assert 'omnigraph_ledger_reservations{model_name="laya"} 1.0' in text  # the one graph worker's reservation
+    assert 'omnigraph_batch_requests_count{model_name="laya",stage="decision"}' in text  # batcher histograms
+    assert 'omnigraph_batch_padding_tokens_total{model_name="laya",stage="decision"}' in text
 
 
 def test_health_and_ready_of_a_started_server(demo_server):

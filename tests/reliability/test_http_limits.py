@@ -161,13 +161,14 @@ def test_a_client_hanging_up_mid_body_is_counted_as_a_disconnect(server: ServerP
         sock.sendall(b"POST /v1/systemone HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"state\": \"Please")
         time.sleep(0.5)  # the route is reading the body when the client goes
-    name = 'omnigraph_http_requests_total{route="/v1/systemone",status="499"}'
+    name = 'omnigraph_http_requests_total{model_name="laya",route="/v1/systemone",status="499"}'
     deadline = time.monotonic() + 30
     while metric_samples(server.url).get(name, 0) == before.get(name, 0):
         assert time.monotonic() < deadline, "the hang-up was never counted"
         time.sleep(0.1)
     after = metric_samples(server.url)
-    assert after["omnigraph_client_disconnects_total"] == before["omnigraph_client_disconnects_total"] + 1
+    disconnects = 'omnigraph_client_disconnects_total{model_name="laya"}'
+    assert after[disconnects] == before[disconnects] + 1
     assert _internal_errors(server.url) == errors_before
     log = server.log.read_text()
     assert "Traceback" not in log and "Exception in ASGI application" not in log

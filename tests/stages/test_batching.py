@@ -16,11 +16,12 @@ from omnigraph import AsyncOmni, Omni
 from omnigraph.bundles import pack_bundle, verify_bundle
 from omnigraph.pipelines.config import PipelineConfigError, StagePipelineConfig
 from omnigraph.pipelines.deploy import GRAPH_BACKEND, BatchingConfig, validate_deploy_config
-from omnigraph.plugin.api.metrics import ServerMetrics
+from omnigraph.plugin.api.metrics import EngineReadings, ServerMetrics
 from omnigraph.stages.batching import (
     DEFAULT_BATCH_WAIT_US, STOP, AxisZeroAdapter, BatchLimits, BatchShape, BatchStats, Footprint, StageQueue, split_rows,
 )
 from omnigraph.stages.errors import RequestCancelled, StageStartupError, StageUnavailable
+from omnigraph.stages.metrics import BatchMetrics, EngineMetrics, LedgerMetrics, StageMetrics
 from omnigraph.stages.graph_stage import GraphStage, worker_route
 
 BLOCKER = {"tensors": {"x": np.ones((32768, 32), np.float32)}}  # keeps the one replica busy meanwhile
@@ -285,18 +286,23 @@ def test_batching_is_refused_for_a_graph_whose_batch_dim_is_not_axis_zero_only(m
     assert os_processes.children() == set()
 
 
-def test_batching_statistics_are_exported_as_prometheus_histograms_and_gauges():
+def test_batching_statistics_are_exported_as_prometheus_histograms_and_counters():
     stats = BatchStats()
     stats.record_call(BatchShape(rows=4, tokens=64, bytes=0, real_rows=3, real_tokens=48), requests=2)
     stats.record_waits([0.0002])
-    text = ServerMetrics(lambda: 0, lambda: None, batch_stats=lambda: {0: stats.snapshot()}).render().decode()
-    for line in ('omnigraph_batch_rows_bucket{le="4.0",stage="0"} 1.0', 'omnigraph_batch_rows_sum{stage="0"} 3.0',
-                 'omnigraph_batch_requests_bucket{le="1.0",stage="0"} 0.0',
-                 'omnigraph_batch_queue_wait_seconds_bucket{le="0.00025",stage="0"} 1.0',
-                 'omnigraph_batch_padding_efficiency{stage="0"} 0.75',
-                 'omnigraph_batch_tokens_total{kind="padded",stage="0"} 64.0'):
+    stage = StageMetrics(0, "graph", "ok", None, 1, 1, 0, (), BatchMetrics.from_stats(stats.snapshot()))
+    engine = EngineMetrics((stage,), LedgerMetrics((), 0))
+    readings = EngineReadings(engine=lambda: engine, stage_names=lambda: {0: "decision"})
+    text = ServerMetrics("laya", readings).render().decode()
+    labels = 'model_name="laya",stage="decision"'
+    for line in (f'omnigraph_batch_rows_bucket{{le="4.0",{labels}}} 1.0', f'omnigraph_batch_rows_sum{{{labels}}} 3.0',
+                 f'omnigraph_batch_requests_bucket{{le="1.0",{labels}}} 0.0',
+                 f'omnigraph_batch_queue_wait_seconds_bucket{{le="0.00025",{labels}}} 1.0',
+                 f'omnigraph_batch_tokens_total{{{labels}}} 48.0',  # real tokens only
+                 f'omnigraph_batch_padding_tokens_total{{{labels}}} 16.0'):  # the padding beside them
         assert line in text
-    assert "omnigraph_batch_rows_bucket" not in ServerMetrics(lambda: 0, lambda: None).render().decode()
+    assert "omnigraph_batch_padding_efficiency" not in text  # no since-start ratio: rate() the two counters
+    assert "omnigraph_batch_rows_bucket" not in ServerMetrics("laya", EngineReadings()).render().decode()
 
 
 def test_declared_batching_values_are_checked_once_and_a_refusing_adapter_stops_the_start(bundles):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from omnigraph import Omni
-from omnigraph.plugin.api.metrics import ServerMetrics
+from omnigraph.plugin.api.metrics import EngineReadings, ServerMetrics
 from omnigraph.stages.metrics import EngineMetrics, LedgerConstraintMetrics, ReplicaMetrics
 
 
@@ -39,12 +39,17 @@ def test_the_typed_snapshot_counts_what_the_execution_plan_describes(make_plan, 
     assert set(metrics.batching()) == {0, 1}
 
     # /metrics renders these fields (the service hands over the same records)
-    text = ServerMetrics(lambda: 0, lambda: metrics.ledger, batch_stats=metrics.batching).render().decode()
-    for line in ('omnigraph_ledger_capacity{resource="machine:ram"} 1000.0',
-                 'omnigraph_ledger_reserved{resource="machine:ram",state="held"} 400.0',
-                 'omnigraph_ledger_reserved{resource="machine:ram",state="quarantined"} 0.0',
-                 "omnigraph_ledger_reservations 4.0",
-                 f'omnigraph_batch_requests_count{{stage="1"}} {float(second.batching.calls)}',
-                 'omnigraph_batch_rows_bucket{le="+Inf",stage="0"}'):
+    readings = EngineReadings(engine=lambda: metrics, stage_names=lambda: {0: "affine", 1: "rename"})
+    text = ServerMetrics("tensors", readings).render().decode()
+    for line in ('omnigraph_ledger_capacity{model_name="tensors",resource="machine:ram"} 1000.0',
+                 'omnigraph_ledger_reserved{model_name="tensors",resource="machine:ram",state="held"} 400.0',
+                 'omnigraph_ledger_reserved{model_name="tensors",resource="machine:ram",state="quarantined"} 0.0',
+                 'omnigraph_ledger_reservations{model_name="tensors"} 4.0',
+                 f'omnigraph_batch_requests_count{{model_name="tensors",stage="rename"}} '
+                 f'{float(second.batching.calls)}',
+                 'omnigraph_batch_rows_bucket{le="+Inf",model_name="tensors",stage="affine"}',
+                 'omnigraph_stage_live_replicas{model_name="tensors",stage="affine"} 2.0',
+                 'omnigraph_worker_deaths_total{model_name="tensors",stage="affine"} 0.0',
+                 'omnigraph_replica_calls_total{model_name="tensors",replica="1",stage="rename"}'):
         assert line in text
     assert os_processes.children() == set()

@@ -1,124 +1,290 @@
 """Prometheus metrics of one server: its own registry, so two apps in one process never collide.
 
-Counters and histograms are updated by the routes; queue depth, reservations and each stage's
-batching statistics (rows and requests per call, time queued, padding efficiency) are read from the
-engine at scrape time (collectors), so they are never stale: typed records (stages/metrics.py,
-`StageRuntime.metrics()`), never the execution plan's `describe()` dicts.
+Every `omnigraph_*` series carries `model_name` (the served model's name, as vLLM labels its own);
+per-stage series carry `stage` (the stage's name, `StagePipelineConfig.model_stage`), per-replica
+series also `replica`. Counters and histograms are updated by the routes and the app's middleware
+(requests by route and status, request outcomes by reason, prompt tokens, latency, stage times,
+disconnects); queue depth, running and waiting requests, reservations, restarts, retirements,
+replicas and each stage's batching statistics are read from the engine at scrape time (collectors),
+so they are never stale: typed records (stages/metrics.py, `StageRuntime.metrics()`), never the
+execution plan's `describe()` dicts.
+
+Under `omnigraph serve` the registry also holds the `process_*` and `python_*` collectors, and the
+`vllm:*` families of an in-process vLLM engine (which registers them in prometheus_client's default
+registry). Inside `vllm serve` the metrics join vLLM's own registry, which has those already; the
+HTTP, outcome and prompt-token counters are the app middleware's (plugin/api/app.py), so only
+`omnigraph serve` updates them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from omnigraph.stages.metrics import BatchMetrics, HistogramMetrics, LedgerMetrics
+from omnigraph.stages.metrics import EngineMetrics, HistogramMetrics, LedgerMetrics, StageMetrics
+from omnigraph.stages.request_state import Phase
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
+#: Routes whose requests are decisions: counted in `omnigraph_request_outcomes_total`.
+DECISION_ROUTES = frozenset({"/v1/systemone", "/v1/systemone/batch", "/v1/chat/completions"})
 
-class _EngineGauges(Collector):
-    """Queue depth and ledger reservations, read from the engine's typed counters when Prometheus scrapes."""
+#: Where each decision route's successful JSON answer states its prompt tokens: (object, key).
+PROMPT_TOKEN_FIELDS: Mapping[str, tuple[str, str]] = {
+    "/v1/systemone": ("usage", "input_tokens"),
+    "/v1/systemone/batch": ("total_usage", "input_tokens"),
+    "/v1/chat/completions": ("usage", "prompt_tokens"),
+}
 
-    def __init__(self, queue_depth: Callable[[], int | None], ledger: Callable[[], LedgerMetrics | None]) -> None:
-        self._queue_depth = queue_depth
-        self._ledger = ledger
+#: Outcomes exported at zero from the start wherever they are counted (`ServerMetrics.count_outcomes`),
+#: so a rate over them exists before the first one happens: "ok" and the `ApiError` codes of the
+#: decision routes' common failures. Any other code a route answers with (an OpenAI route's own, say)
+#: appears once it happened.
+KNOWN_OUTCOMES = ("ok", "invalid_json", "invalid_utf8", "unsupported_media_type", "request_too_large",
+                  "invalid_request", "model_not_found", "not_ready", "stage_recovering", "pipeline_failed",
+                  "queue_full", "deadline_exceeded", "cancelled", "client_disconnected", "internal_error")
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
-        depth = GaugeMetricFamily("omnigraph_queue_depth", "Requests admitted and not yet finished")
-        value = self._queue_depth()
+
+def prompt_tokens_of(route: str, body: bytes) -> int:
+    """The prompt tokens a decision route's successful JSON answer states (`PROMPT_TOKEN_FIELDS`),
+    0 where it states none."""
+    place = PROMPT_TOKEN_FIELDS.get(route)
+    if place is None:
+        return 0
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return 0
+    usage = answer.get(place[0]) if isinstance(answer, dict) else None
+    tokens = usage.get(place[1]) if isinstance(usage, dict) else None
+    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
+
+
+def _none() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class EngineReadings:
+    """What the collectors read from the engine when Prometheus scrapes; each returns None before
+    the engine started. `DecisionService` has them all (`queue_depth`, `metrics`,
+    `requests_by_phase`, `stage_names`)."""
+
+    queue_depth: Callable[[], int | None] = _none
+    engine: Callable[[], EngineMetrics | None] = _none
+    requests_by_phase: Callable[[], Mapping[Phase, int] | None] = _none
+    stage_names: Callable[[], Mapping[int, str] | None] = _none
+
+
+class StageNames:
+    """Each stage's `stage` label by stage id: its name (`model_stage`), read once the engine has
+    started (names never change while it serves); a name two stages share gets `-<stage id>`;
+    the stage id itself before the engine started."""
+
+    def __init__(self, source: Callable[[], Mapping[int, str] | None]) -> None:
+        self._source = source
+        self._labels: dict[int, str] | None = None
+
+    def labels(self) -> dict[int, str]:
+        if self._labels is None:
+            names = self._source()
+            if names is None:
+                return {}
+            taken = list(names.values())
+            self._labels = {stage_id: name if taken.count(name) == 1 else f"{name}-{stage_id}"
+                            for stage_id, name in names.items()}
+        return self._labels
+
+    def label(self, stage_id: int | str) -> str:
+        return self.labels().get(stage_id, str(stage_id)) if isinstance(stage_id, int) else stage_id
+
+
+class _EngineCollector(Collector):
+    """Everything read from the engine at scrape time, from one `EngineMetrics` per scrape."""
+
+    def __init__(self, model_name: str, readings: EngineReadings, stage_names: StageNames) -> None:
+        self._model = model_name
+        self._readings = readings
+        self._stage_names = stage_names
+
+    def collect(self) -> Iterable[Metric]:
+        engine = self._readings.engine()
+        yield from self._requests()
+        yield from self._ledger(_NO_LEDGER if engine is None else engine.ledger)
+        stages = [] if engine is None else [(self._stage_names.label(stage.stage_id), stage)
+                                            for stage in engine.stages]
+        yield from self._stages(stages)
+        yield from self._replicas(stages)
+        yield from self._batching(stages)
+
+    def _requests(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("omnigraph_queue_depth",
+                                  "Requests admitted and not yet finished, plus queue slots held for them",
+                                  labels=["model_name"])
+        value = self._readings.queue_depth()
         if value is not None:
-            depth.add_metric([], value)
-        yield depth
-        ledger = self._ledger() or _NO_LEDGER
-        capacity = GaugeMetricFamily("omnigraph_ledger_capacity", "Ledger capacity, by resource", labels=["resource"])
+            depth.add_metric([self._model], value)
+        running = GaugeMetricFamily("omnigraph_requests_running",
+                                    "Admitted requests a worker call is running for now", labels=["model_name"])
+        waiting = GaugeMetricFamily("omnigraph_requests_waiting",
+                                    "Admitted requests waiting in a stage's queue", labels=["model_name"])
+        phases = self._readings.requests_by_phase()
+        if phases is not None:
+            running.add_metric([self._model], phases.get(Phase.RUNNING, 0))
+            waiting.add_metric([self._model], phases.get(Phase.QUEUED, 0))
+        yield from (depth, running, waiting)
+
+    def _ledger(self, ledger: LedgerMetrics) -> Iterator[Metric]:
+        capacity = GaugeMetricFamily("omnigraph_ledger_capacity", "Ledger capacity, by resource",
+                                     labels=["model_name", "resource"])
         charged = GaugeMetricFamily("omnigraph_ledger_reserved", "Ledger units reserved, by resource and state",
-                                    labels=["resource", "state"])
+                                    labels=["model_name", "resource", "state"])
         for constraint in ledger.constraints:
-            capacity.add_metric([constraint.name], constraint.capacity)
-            charged.add_metric([constraint.name, "held"], constraint.held)
-            charged.add_metric([constraint.name, "quarantined"], constraint.quarantined)
-        reservations = GaugeMetricFamily("omnigraph_ledger_reservations", "Live ledger reservations")
-        reservations.add_metric([], ledger.reservations)
+            capacity.add_metric([self._model, constraint.name], constraint.capacity)
+            charged.add_metric([self._model, constraint.name, "held"], constraint.held)
+            charged.add_metric([self._model, constraint.name, "quarantined"], constraint.quarantined)
+        reservations = GaugeMetricFamily("omnigraph_ledger_reservations", "Live ledger reservations",
+                                         labels=["model_name"])
+        reservations.add_metric([self._model], ledger.reservations)
         yield from (capacity, charged, reservations)
 
+    def _stages(self, stages: list[tuple[str, StageMetrics]]) -> Iterator[Metric]:
+        labels = ["model_name", "stage"]
+        live = GaugeMetricFamily("omnigraph_stage_live_replicas", "Replicas of the stage serving now", labels=labels)
+        restarts = CounterMetricFamily("omnigraph_worker_restarts",
+                                       "Replacement workers started for the stage (its restart budget spent)",
+                                       labels=labels)
+        deaths = CounterMetricFamily("omnigraph_worker_deaths",
+                                     "Replicas of the stage retired: their worker died, broke the wire or hung",
+                                     labels=labels)
+        for name, stage in stages:
+            live.add_metric([self._model, name], stage.live_replicas)
+            restarts.add_metric([self._model, name], stage.restarts)
+            deaths.add_metric([self._model, name], stage.retirements)
+        yield from (live, restarts, deaths)
 
-_NO_LEDGER = LedgerMetrics(constraints=(), reservations=0)
-
-#: Each stage's batching statistics by stage id: typed (`BatchMetrics`), or a `BatchStats.snapshot()`
-#: dict, which is read through `BatchMetrics.from_stats`.
-BatchStatsSource = Callable[[], Mapping[int, BatchMetrics | Mapping[str, Any]] | None]
-
-
-class _BatchingMetrics(Collector):
-    """Each stage's `BatchMetrics` (stages/metrics.py), as Prometheus histograms and gauges."""
+    def _replicas(self, stages: list[tuple[str, StageMetrics]]) -> Iterator[Metric]:
+        labels = ["model_name", "stage", "replica"]
+        calls = CounterMetricFamily("omnigraph_replica_calls",
+                                    "Calls of the replica now in the slot (a replacement starts from zero; "
+                                    "a native engine counts each pooled item)", labels=labels)
+        fenced = CounterMetricFamily("omnigraph_replica_fenced_calls",
+                                     "Calls of the replica now in the slot whose result a cancellation discarded",
+                                     labels=labels)
+        for name, stage in stages:
+            for replica in stage.replicas:
+                calls.add_metric([self._model, name, str(replica.replica)], replica.calls)
+                fenced.add_metric([self._model, name, str(replica.replica)], replica.fenced_calls)
+        yield from (calls, fenced)
 
     _HISTOGRAMS = (("batch_rows", "omnigraph_batch_rows", "Request rows per worker call (padding excluded)"),
                    ("batch_requests", "omnigraph_batch_requests", "Requests per worker call"),
                    ("queue_wait_seconds", "omnigraph_batch_queue_wait_seconds",
                     "Time a work item waited in its stage's queue"))
 
-    def __init__(self, batch_stats: BatchStatsSource) -> None:
-        self._batch_stats = batch_stats
-
-    def collect(self) -> Iterable[HistogramMetricFamily | GaugeMetricFamily | CounterMetricFamily]:
-        stages = [(str(stage), stats if isinstance(stats, BatchMetrics) else BatchMetrics.from_stats(stats))
-                  for stage, stats in sorted((self._batch_stats() or {}).items())]
-        for key, name, documentation in self._HISTOGRAMS:
-            family = HistogramMetricFamily(name, documentation, labels=["stage"])
-            for stage, batching in stages:
-                histogram: HistogramMetrics = getattr(batching, key)
+    def _batching(self, stages: list[tuple[str, StageMetrics]]) -> Iterator[Metric]:
+        """Each graph stage's `BatchMetrics`: three histograms, and the tokens its calls carried
+        (real ones, and the padding added to them, separately)."""
+        batching = [(name, stage.batching) for name, stage in stages if stage.batching is not None]
+        labels = ["model_name", "stage"]
+        for key, metric, documentation in self._HISTOGRAMS:
+            family = HistogramMetricFamily(metric, documentation, labels=labels)
+            for name, batch in batching:
+                histogram: HistogramMetrics = getattr(batch, key)
                 buckets = [(floatToGoString(bound), count) for bound, count in histogram.buckets]
-                family.add_metric([stage], buckets, histogram.sum)
+                family.add_metric([self._model, name], buckets, histogram.sum)
             yield family
-        efficiency = GaugeMetricFamily("omnigraph_batch_padding_efficiency",
-                                       "Real over padded tokens of the calls so far (rows for graphs without tokens)",
-                                       labels=["stage"])
-        tokens = CounterMetricFamily("omnigraph_batch_tokens", "Tokens sent to workers, real or padded",
-                                     labels=["stage", "kind"])
-        for stage, batching in stages:
-            if batching.padding_efficiency is not None:
-                efficiency.add_metric([stage], batching.padding_efficiency)
-            tokens.add_metric([stage, "real"], batching.tokens)
-            tokens.add_metric([stage, "padded"], batching.padded_tokens)
-        yield from (efficiency, tokens)
+        tokens = CounterMetricFamily("omnigraph_batch_tokens", "Real tokens sent to workers (padding excluded)",
+                                     labels=labels)
+        padding = CounterMetricFamily("omnigraph_batch_padding_tokens",
+                                      "Padding tokens sent to workers beside the real ones", labels=labels)
+        for name, batch in batching:
+            tokens.add_metric([self._model, name], batch.tokens)
+            padding.add_metric([self._model, name], batch.padded_tokens - batch.tokens)
+        yield from (tokens, padding)
+
+
+_NO_LEDGER = LedgerMetrics(constraints=(), reservations=0)
+
+
+class VllmFamilies(Collector):
+    """The `vllm:*` families of another registry (prometheus_client's default one, where an
+    in-process vLLM engine registers its own), re-exported as they are; nothing without them."""
+
+    def __init__(self, source: CollectorRegistry = REGISTRY) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        return [family for family in self._source.collect() if family.name.startswith("vllm:")]
 
 
 class ServerMetrics:
-    """The metrics one app exports at `GET /metrics` (inside vLLM: in vLLM's own registry).
-    `ledger` returns the engine's `LedgerMetrics` and `batch_stats` each graph stage's `BatchMetrics`
-    by stage id (both None before start): typed records of stages/metrics.py."""
+    """The metrics one app exports at `GET /metrics` (inside vLLM: in vLLM's own registry, given
+    as `registry`). `readings` says how to read the engine at scrape time (`EngineReadings`)."""
 
-    def __init__(self, queue_depth: Callable[[], int | None], ledger: Callable[[], LedgerMetrics | None],
-                 registry: CollectorRegistry | None = None, *,
-                 batch_stats: BatchStatsSource | None = None) -> None:
-        self.registry = CollectorRegistry() if registry is None else registry
+    def __init__(self, model_name: str, readings: EngineReadings, registry: CollectorRegistry | None = None) -> None:
+        own = registry is None
+        self.registry = registry = CollectorRegistry() if registry is None else registry
+        self.model_name = model_name
         self.requests = Counter("omnigraph_http_requests", "HTTP requests answered, by route and status",
-                                ["route", "status"], registry=self.registry)
+                                ["model_name", "route", "status"], registry=registry)
+        self.outcomes = Counter("omnigraph_request_outcomes",
+                                "Decision requests answered, by outcome: ok, or the error code of the answer",
+                                ["model_name", "outcome"], registry=registry)
+        self.prompt_tokens = Counter("omnigraph_prompt_tokens", "Input tokens of the decisions answered",
+                                     ["model_name"], registry=registry)
         self.request_latency = Histogram("omnigraph_http_request_duration_seconds",
-                                         "Time from request start to response, by route", ["route"],
-                                         buckets=_LATENCY_BUCKETS, registry=self.registry)
+                                         "Time from request start to response, by route", ["model_name", "route"],
+                                         buckets=_LATENCY_BUCKETS, registry=registry)
         self.stage_latency = Histogram("omnigraph_stage_duration_seconds", "Time a request spent in each stage",
-                                       ["stage"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+                                       ["model_name", "stage"], buckets=_LATENCY_BUCKETS, registry=registry)
         self.disconnects = Counter("omnigraph_client_disconnects", "Requests aborted because their client went away",
-                                   registry=self.registry)
-        self.registry.register(_EngineGauges(queue_depth, ledger))
-        if batch_stats is not None:
-            self.registry.register(_BatchingMetrics(batch_stats))
+                                   ["model_name"], registry=registry).labels(model_name=model_name)
+        self.stage_names = StageNames(readings.stage_names)
+        self.registry.register(_EngineCollector(model_name, readings, self.stage_names))
+        if own:  # vLLM's registry has these already
+            ProcessCollector(registry=self.registry)
+            PlatformCollector(registry=self.registry)
+            GCCollector(registry=self.registry)
+            self.registry.register(VllmFamilies())
 
     def observe_request(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(route=route, status=str(status)).inc()
-        self.request_latency.labels(route=route).observe(seconds)
+        self.requests.labels(model_name=self.model_name, route=route, status=str(status)).inc()
+        self.request_latency.labels(model_name=self.model_name, route=route).observe(seconds)
+
+    def count_outcomes(self) -> None:
+        """Export the outcomes (`KNOWN_OUTCOMES`) and prompt tokens at zero: called where something
+        counts them (`omnigraph serve`'s middleware), so a server that does not shows no zeros."""
+        self.prompt_tokens.labels(model_name=self.model_name)
+        for outcome in KNOWN_OUTCOMES:
+            self.outcomes.labels(model_name=self.model_name, outcome=outcome)
+
+    def observe_outcome(self, outcome: str, prompt_tokens: int = 0) -> None:
+        """One decision request answered: "ok" (with its prompt tokens), or its error's code."""
+        self.outcomes.labels(model_name=self.model_name, outcome=outcome).inc()
+        if prompt_tokens > 0:
+            self.prompt_tokens.labels(model_name=self.model_name).inc(prompt_tokens)
 
     def observe_stages(self, durations: Mapping[int | str, float]) -> None:
         for stage, seconds in durations.items():
-            self.stage_latency.labels(stage=str(stage)).observe(seconds)
+            self.stage_latency.labels(model_name=self.model_name, stage=self.stage_names.label(stage)).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

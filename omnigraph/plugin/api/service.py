@@ -26,7 +26,8 @@ from omnigraph.stages.errors import (
     ResourceUnavailable,
     StageUnavailable,
 )
-from omnigraph.stages.metrics import BatchMetrics, EngineMetrics, LedgerMetrics
+from omnigraph.stages.metrics import EngineMetrics
+from omnigraph.stages.request_state import Phase
 from omnigraph.stages.startup import StartCancel
 
 logger = logging.getLogger("omnigraph.plugin.api")
@@ -56,6 +57,8 @@ class DecisionEngine(Protocol):
     def recovering(self) -> str | None: ...
 
     def queue_depth(self) -> int: ...
+
+    def requests_by_phase(self) -> dict[Phase, int]: ...
 
     def ledger_snapshot(self) -> dict[str, Any]: ...
 
@@ -246,17 +249,19 @@ class DecisionService:
     def queue_depth(self) -> int | None:
         return None if self.engine is None else self.engine.queue_depth()
 
+    def requests_by_phase(self) -> dict[Phase, int] | None:
+        """Admitted requests by lifecycle phase (None before start)."""
+        return None if self.engine is None else self.engine.requests_by_phase()
+
+    def stage_names(self) -> dict[int, str] | None:
+        """Each stage's name (`model_stage`) by stage id (None before start)."""
+        if self.engine is None:
+            return None
+        return {stage["stage_id"]: stage["model_stage"] for stage in self.engine.execution_plan["stages"]}
+
     def metrics(self) -> EngineMetrics | None:
         """The engine's counters as typed records (stages/metrics.py; None before start)."""
         return None if self.engine is None else self.engine.metrics()
-
-    def ledger_snapshot(self) -> LedgerMetrics | None:
-        """The ledger's constraints and live reservations (None before start), without the stages'."""
-        return None if self.engine is None else LedgerMetrics.from_snapshot(self.engine.ledger_snapshot())
-
-    def batch_stats(self) -> dict[int, BatchMetrics] | None:
-        """Each batching stage's statistics by stage id (None before start)."""
-        return None if self.engine is None else self.engine.metrics().batching()
 
     # -- requests ------------------------------------------------------------------------------
 
