@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 
 from omnigraph.plugin.api.errors import ApiError
 from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json, run_decision
+from omnigraph.plugin.api.request_ids import REQUEST_ID_HEADER, engine_request_id, request_id
 from omnigraph.plugin.api.service import Decision, DecisionService
 
 MAX_BATCH_STATES = 64
@@ -81,8 +82,8 @@ async def systemone(request: Request) -> JSONResponse:
     check_model(body, service)
     service.check_available()
     prompt = {key: value for key, value in body.items() if key != "model"}
-    decision = await cancel_on_disconnect(request, run_decision(request, prompt, f"sys-{uuid.uuid4().hex}"))
-    return JSONResponse(answer_body(service, decision))
+    decision = await cancel_on_disconnect(request, run_decision(request, prompt, engine_request_id(request)))
+    return JSONResponse(answer_body(service, decision), headers={REQUEST_ID_HEADER: request_id(request)})
 
 
 async def _batch_item(request: Request, prompt: dict, request_id: str, hold: Any) -> dict:
@@ -128,4 +129,4 @@ async def systemone_batch(request: Request) -> JSONResponse:
     total_usage = {key: sum(result["usage"].get(key, 0) for result in answered)
                    for key in ("input_tokens", "output_tokens")}
     return JSONResponse({"model": service.model_name, "results": list(results), "total_usage": total_usage,
-                         "audit": _batch_audit(service, answered)})
+                         "audit": _batch_audit(service, answered)}, headers={REQUEST_ID_HEADER: request_id(request)})

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from omnigraph.plugin.api.body import BodyError
+from omnigraph.plugin.api.request_ids import REQUEST_ID_HEADER, request_id
 
 OPENAI_PATH_PREFIXES = ("/v1/chat/", "/v1/models")
 
@@ -65,9 +66,15 @@ def is_openai_path(path: str) -> bool:
 
 
 async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
+    """The error in its route family's shape, with the request's id (`X-Request-Id`; a decision
+    route's body also carries it as `request_id`)."""
     assert isinstance(error, ApiError)
-    body = openai_error_body(error) if is_openai_path(request.url.path) else decision_error_body(error)
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
+    shared = request_id(request)
+    if is_openai_path(request.url.path):
+        body = openai_error_body(error)
+    else:
+        body = {**decision_error_body(error), "request_id": shared}
+    return JSONResponse(body, status_code=error.status, headers={**error.headers, REQUEST_ID_HEADER: shared})
 
 
 async def unexpected_error_handler(request: Request, error: Exception) -> JSONResponse:

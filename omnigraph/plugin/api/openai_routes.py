@@ -37,6 +37,7 @@ from omnigraph.plugin.api.openai_schema import (
     parse_chat_request,
     plan_decisions,
 )
+from omnigraph.plugin.api.request_ids import REQUEST_ID_HEADER, engine_request_id, request_id
 from omnigraph.plugin.api.service import DecisionService
 
 router = APIRouter()
@@ -78,21 +79,23 @@ async def chat_completions(request: Request):
                        code="model_not_found", field="model")
     plan = plan_decisions(chat)
     service.check_available()
-    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    completion_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
-        decision = await cancel_on_disconnect(request, run_decision(request, decision_prompt(chat, plan), request_id))
+        decision = await cancel_on_disconnect(request, run_decision(request, decision_prompt(chat, plan),
+                                                                    engine_request_id(request)))
     except ApiError as error:
         raise openai_invalid(error) if error.status == 422 else error from None
     content, logprobs = completion_content(plan, decision.response["answers"], chat.top_logprobs or 0)
     prompt_tokens = int(decision.response["usage"]["input_tokens"])
     completion = ChatCompletion(
-        id=request_id, created=int(time.time()), model=service.model_name,
+        id=completion_id, created=int(time.time()), model=service.model_name,
         choices=[Choice(message=AssistantMessage(content=content), logprobs=logprobs if chat.logprobs else None)],
         usage=Usage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens),
         audit=service.response_audit(decision.response),
     )
     if chat.stream:
         include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
-        return StreamingResponse(_stream(completion, include_usage), media_type="text/event-stream")
-    return JSONResponse(completion.model_dump())
+        return StreamingResponse(_stream(completion, include_usage), media_type="text/event-stream",
+                                 headers={REQUEST_ID_HEADER: request_id(request)})
+    return JSONResponse(completion.model_dump(), headers={REQUEST_ID_HEADER: request_id(request)})
 
