@@ -1,4 +1,4 @@
-"""sha256 of bundle files, streamed in 1 MiB chunks, with an optional progress line for big ones."""
+"""sha256 of bundle files, streamed in 1 MiB chunks, with an optional progress bar for big ones."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import os
 import re
 import stat
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CHUNK_BYTES = 1 << 20
-# Files at least this big get a progress line when the caller asks for one.
+# Files at least this big get a progress bar when the caller asks for one.
 PROGRESS_MIN_BYTES = 64 << 20
 _PROGRESS_INTERVAL_S = 0.25
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -56,8 +56,8 @@ def sha256_file_identity(path: str | os.PathLike[str], *, progress: bool = False
     """Hex sha256 of a file's bytes, read in 1 MiB chunks so memory stays flat for any size, and
     the file's identity when it was opened (what bundles/watch.py compares cheaply later).
 
-    With `progress=True`, files of at least PROGRESS_MIN_BYTES report on stderr (a line updated in
-    place on a terminal, one summary line otherwise).
+    With `progress=True`, files of at least PROGRESS_MIN_BYTES show a tqdm bar on stderr (tqdm is
+    imported only then: a worker's interpreter never needs it).
     """
     path = Path(path)
     digest = hashlib.sha256()
@@ -65,24 +65,20 @@ def sha256_file_identity(path: str | os.PathLike[str], *, progress: bool = False
     view = memoryview(buffer)
     with open(path, "rb") as handle:
         status = os.fstat(handle.fileno())
-        total = status.st_size
-        show = progress and total >= PROGRESS_MIN_BYTES
-        live = show and sys.stderr.isatty()
-        done = 0
-        last_report = time.monotonic()
-        line = ""
-        while count := handle.readinto(buffer):
-            digest.update(view[:count])
-            done += count
-            if live and time.monotonic() - last_report >= _PROGRESS_INTERVAL_S:
-                last_report = time.monotonic()
-                line = f"hashing {path.name}: {_mib(done)}/{_mib(total)} MiB ({100 * done // total}%)"
-                print(f"\r{line}", end="", file=sys.stderr, flush=True)
-    if show:
-        summary = f"hashed {path.name}: {_mib(done)} MiB"
-        print(f"\r{summary.ljust(len(line))}" if live else summary, file=sys.stderr, flush=True)
+        bar = _progress_bar(path, status.st_size) if progress and status.st_size >= PROGRESS_MIN_BYTES else None
+        try:
+            while count := handle.readinto(buffer):
+                digest.update(view[:count])
+                if bar is not None:
+                    bar.update(count)
+        finally:
+            if bar is not None:
+                bar.close()
     return digest.hexdigest(), FileIdentity.of(status)
 
 
-def _mib(size: int) -> str:
-    return f"{size / (1 << 20):.1f}"
+def _progress_bar(path: Path, total: int) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=f"hashing {path.name}", unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, mininterval=_PROGRESS_INTERVAL_S)

@@ -71,19 +71,19 @@ def read_bundle_layout(path: str | os.PathLike[str]) -> BundleLayout:
     return BundleLayout(root, manifest_path, manifest_bytes, manifest, identity)
 
 
-def verify_bundle(path: str | os.PathLike[str]) -> VerifiedBundle:
+def verify_bundle(path: str | os.PathLike[str], *, progress: bool = False) -> VerifiedBundle:
     """Check a bundle folder (or its manifest.json) completely, or raise the BundleError that says why.
 
     In order: the manifest parses and follows the schema; the folder holds exactly the listed files,
     none reached through a link out of it; every file's sha256 matches; every member parses as its
     name says (bundles/members.py); every ONNX graph parses and its external-data references name
-    listed files.
+    listed files. `progress`: a bar on stderr while a big file is hashed.
     """
-    return complete_verification(read_bundle_layout(path), {})
+    return complete_verification(read_bundle_layout(path), {}, progress=progress)
 
 
 def complete_verification(
-    layout: BundleLayout, contents: Mapping[str, tuple[bytes, FileIdentity]]
+    layout: BundleLayout, contents: Mapping[str, tuple[bytes, FileIdentity]], *, progress: bool = False
 ) -> VerifiedBundle:
     """verify_bundle's checks of `layout`, hashing the members in `contents` (already read whole,
     with their identity when opened) from those bytes and the others from disk."""
@@ -94,7 +94,7 @@ def complete_verification(
             data, identities[name] = contents[name]
             actual = hashlib.sha256(data).hexdigest()
         else:
-            actual, identities[name] = sha256_file_identity(root / name)
+            actual, identities[name] = sha256_file_identity(root / name, progress=progress)
         if actual != expected:
             raise BundleHashMismatch(f"{root / name}: sha256 is {actual}, {MANIFEST_NAME} lists {expected}")
     for name in manifest.files:

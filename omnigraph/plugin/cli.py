@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from omnigraph.plugin.logs import LOG_FORMAT
 
 
 def _bundle_pack(args: argparse.Namespace) -> int:
@@ -31,7 +34,7 @@ def _bundle_pack(args: argparse.Namespace) -> int:
 def _bundle_verify(args: argparse.Namespace) -> int:
     from omnigraph.bundles import verify_bundle
 
-    bundle = verify_bundle(Path(args.directory))
+    bundle = verify_bundle(Path(args.directory), progress=not args.quiet)
     print(f"ok {bundle.manifest_path} ({len(bundle.manifest.files)} files, sha256 {bundle.manifest_sha256})")
     return 0
 
@@ -151,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--quiet", action="store_true", help="no progress bar")
     verify = _command(bundle_commands, "verify", "check every hash and path of a bundle", _bundle_verify)
     verify.add_argument("directory", help="bundle directory or manifest.json")
+    verify.add_argument("--quiet", action="store_true", help="no progress bar")
     inspect = _command(bundle_commands, "inspect", "inputs, outputs, opset, size, custom ops", _bundle_inspect)
     inspect.add_argument("directory", help="bundle directory or manifest.json")
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -198,6 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Callable[[argparse.Namespace], int] = args.handler
+    if args.command == "bundle":  # a build runs a minute or more: its phases go to stderr as they pass
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT, stream=sys.stderr)
     try:
         return handler(args)
     except KeyboardInterrupt:

@@ -63,3 +63,16 @@ def test_synth_refuses_a_size_the_model_does_not_have_with_its_list(tmp_path):
     assert result.returncode == 1
     assert "unknown Open-Jev checkpoint size 'full'; choose one of tiny" in result.stderr
     assert not (tmp_path / "ck").exists()
+
+
+def test_bundle_build_shows_its_phases_and_verify_its_answer(tmp_path):
+    from omnigraph.pipelines.laya.synth import cached_checkpoint
+
+    built = _omnigraph("bundle", "build", "laya", "--checkpoint", str(cached_checkpoint("tiny")),
+                       "--out", str(tmp_path / "bundle"), timeout=600)
+    assert built.returncode == 0, built.stderr
+    phases = ["building a fp32 Laya bundle from", "checkpoint read and checked", "exporting the ONNX graph",
+              "graph exported", "checking it against the checkpoint's own forward"]
+    assert all(phase in built.stderr for phase in phases), built.stderr
+    verified = _omnigraph("bundle", "verify", str(tmp_path / "bundle"))
+    assert verified.returncode == 0 and verified.stdout.startswith("ok ")

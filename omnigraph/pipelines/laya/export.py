@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import logging
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,8 @@ from omnigraph.pipelines.laya.sequence import OPTION_TOKEN_LIMIT, BatchLayout
 from omnigraph.pipelines.laya.synth import cached_checkpoint
 from omnigraph.pipelines.system_one.decoding import softmax
 from omnigraph.pipelines.system_one.request import QUESTION_TYPES
+
+logger = logging.getLogger("omnigraph.pipelines")
 
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
 EXPORTER_VERSION = 5
@@ -121,6 +125,8 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
     if out.exists():
         raise FileExistsError(f"{out} already exists: build into a new folder")
     fast_graph = _fast_graph() if fast else None
+    started = time.monotonic()
+    logger.info("building a %s%s Laya bundle from %s into %s", precision, " fast" if fast else "", checkpoint, out)
     config = DecisionGraphConfig.from_checkpoint(checkpoint)
     agent_config = read_json(checkpoint / "rl_agent_config.json")
     module = build_decision_graph(config)
@@ -134,6 +140,7 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
     # the call's, which captured CUDA graphs and TensorRT engines need (ort_encoder's docstring).
     layout["unpadded"] = fast_graph is None and precision == UNPADDED_PRECISION
 
+    logger.info("checkpoint read and checked (%.1f s); exporting the ONNX graph", time.monotonic() - started)
     with staged_bundle_dir(out) as staging:
         custom_ops = None
         if fast_graph is None:
@@ -145,6 +152,8 @@ def build_bundle(checkpoint: Path, out: Path, *, precision: str = "fp32", fast: 
         np.savez(staging / INPUTS_FILE, allow_pickle=False, **inputs)
         for member, source in COPIED_FILES.items():
             shutil.copyfile(checkpoint / source, staging / member)
+        logger.info("graph exported (%.1f s); checking it against the checkpoint's own forward",
+                    time.monotonic() - started)
         if custom_ops is None:
             validation = validate_export(module, staging / GRAPH_FILE, inputs, precision)
         elif precision == "fp32":
