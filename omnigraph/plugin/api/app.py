@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -20,12 +20,18 @@ from omnigraph.plugin.api import decision, openai_routes, ops
 from omnigraph.plugin.api.auth import BearerKeyAuth
 from omnigraph.plugin.api.body import MAX_BODY_BYTES
 from omnigraph.plugin.api.errors import ApiError, api_error_handler, unexpected_error_handler
-from omnigraph.plugin.api.metrics import ServerMetrics
+from omnigraph.plugin.api.metrics import DECISION_ROUTES, EngineReadings, ServerMetrics, prompt_tokens_of
 from omnigraph.plugin.api.service import DecisionService
+
+#: Where the ApiError handler leaves the error's code for the middleware (in the request's state).
+_ERROR_CODE = "omnigraph_error_code"
 
 
 class _RequestMetrics:
-    """ASGI middleware counting every HTTP response by route template and status, with its latency."""
+    """ASGI middleware counting every HTTP response by route template and status, with its latency;
+    a decision route's answer also as an outcome ("ok", or the code of its `ApiError`, which
+    `_counted_api_error` leaves in the request's state) and, when ok, by its prompt tokens (read
+    from the JSON answer's usage)."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -36,12 +42,18 @@ class _RequestMetrics:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
+        state = scope.setdefault("state", {})  # the dict `request.state` writes to, further in
         status = 500
+        body: list[bytes] | None = None  # a decision's successful JSON answer, kept to read its usage
 
         async def send_and_record(message: Message) -> None:
-            nonlocal status
+            nonlocal status, body
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if status == 200 and _is_json(message.get("headers", ())):
+                    body = []
+            elif message["type"] == "http.response.body" and body is not None:
+                body.append(message.get("body", b""))
             await send(message)
 
         try:
@@ -49,6 +61,25 @@ class _RequestMetrics:
         finally:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.observe_request(route, status, time.perf_counter() - started)
+            if route in DECISION_ROUTES:
+                self._observe_outcome(route, status, state.get(_ERROR_CODE), body)
+
+    def _observe_outcome(self, route: str, status: int, code: str | None, body: list[bytes] | None) -> None:
+        if 200 <= status < 300:
+            self.metrics.observe_outcome("ok", prompt_tokens_of(route, b"".join(body)) if body else 0)
+        else:  # a 500 no handler of ours answered is an unexpected error's
+            self.metrics.observe_outcome(code or ("internal_error" if status == 500 else f"http_{status}"))
+
+
+def _is_json(headers: Iterable[tuple[bytes, bytes]]) -> bool:
+    return any(name.lower() == b"content-type" and value.startswith(b"application/json") for name, value in headers)
+
+
+async def _counted_api_error(request: Request, error: Exception) -> Response:
+    """`api_error_handler`, leaving the error's code for the middleware's outcome count."""
+    if isinstance(error, ApiError):
+        setattr(request.state, _ERROR_CODE, error.code)
+    return await api_error_handler(request, error)
 
 
 def attach_service(state: Any, service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
@@ -56,8 +87,9 @@ def attach_service(state: Any, service: DecisionService, *, max_body_bytes: int 
     """Put on `state` (an app's, or vLLM's) what the routes read: the service, its metrics, the
     body cap and the start time."""
     state.service = service
-    state.metrics = ServerMetrics(service.queue_depth, service.ledger_snapshot, registry=registry,
-                                  batch_stats=service.batch_stats)
+    readings = EngineReadings(queue_depth=service.queue_depth, engine=service.metrics,
+                              requests_by_phase=service.requests_by_phase, stage_names=service.stage_names)
+    state.metrics = ServerMetrics(service.model_name, readings, registry=registry)
     state.max_body_bytes = max_body_bytes
     state.started_at = int(time.time())
 
@@ -87,7 +119,7 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
 
     app = FastAPI(title="omnigraph", summary="System One decisions over HTTP", lifespan=lifespan)
     attach_service(app.state, service, max_body_bytes=max_body_bytes)
-    app.add_exception_handler(ApiError, api_error_handler)
+    app.add_exception_handler(ApiError, _counted_api_error)
     app.add_exception_handler(Exception, unexpected_error_handler)
     app.include_router(decision.router)
     app.include_router(openai_routes.router)
@@ -96,4 +128,5 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
     if api_key is not None:
         app.add_middleware(BearerKeyAuth, api_key=api_key)  # inside the metrics: a 401 is counted
     app.add_middleware(_RequestMetrics, metrics=app.state.metrics)
+    app.state.metrics.count_outcomes()
     return app
