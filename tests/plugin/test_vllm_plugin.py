@@ -105,7 +105,8 @@ def test_vllm_render_server_answers_like_omnigraph_serve(demo_server, tmp_path):
         assert inside_vllm.status_code == 200, inside_vllm.text
         assert inside_vllm.json() == standalone.json()
         assert httpx.get(f"{base}/health").status_code == 200  # vLLM's own routes stay
-        assert "omnigraph_stage_duration_seconds_count" in httpx.get(f"{base}/metrics").text
+        assert 'omnigraph_stage_duration_seconds_count{model_name="laya",stage="decision"}' in httpx.get(
+            f"{base}/metrics").text  # in vLLM's registry, which keeps its own process_* collectors
 
 
 def _model_config(**changes):
