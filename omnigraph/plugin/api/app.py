@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -20,7 +20,7 @@ from omnigraph.plugin.api import decision, openai_routes, ops
 from omnigraph.plugin.api.auth import BearerKeyAuth
 from omnigraph.plugin.api.body import MAX_BODY_BYTES
 from omnigraph.plugin.api.errors import ApiError, api_error_handler, unexpected_error_handler
-from omnigraph.plugin.api.metrics import DECISION_ROUTES, EngineReadings, ServerMetrics, prompt_tokens_of
+from omnigraph.plugin.api.metrics import DECISION_ROUTES, EngineReadings, ServerMetrics
 from omnigraph.plugin.api.service import DecisionService
 
 #: Where the ApiError handler leaves the error's code for the middleware (in the request's state).
@@ -30,8 +30,8 @@ _ERROR_CODE = "omnigraph_error_code"
 class _RequestMetrics:
     """ASGI middleware counting every HTTP response by route template and status, with its latency;
     a decision route's answer also as an outcome ("ok", or the code of its `ApiError`, which
-    `_counted_api_error` leaves in the request's state) and, when ok, by its prompt tokens (read
-    from the JSON answer's usage)."""
+    `_counted_api_error` leaves in the request's state). Prompt tokens are counted where each
+    decision is in hand (handling.run_decision), not read back from the answer."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
         self.app = app
@@ -44,16 +44,11 @@ class _RequestMetrics:
         started = time.perf_counter()
         state = scope.setdefault("state", {})  # the dict `request.state` writes to, further in
         status = 500
-        body: list[bytes] | None = None  # a decision's successful JSON answer, kept to read its usage
 
         async def send_and_record(message: Message) -> None:
-            nonlocal status, body
+            nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                if status == 200 and _is_json(message.get("headers", ())):
-                    body = []
-            elif message["type"] == "http.response.body" and body is not None:
-                body.append(message.get("body", b""))
             await send(message)
 
         try:
@@ -62,17 +57,13 @@ class _RequestMetrics:
             route = getattr(scope.get("route"), "path", "unmatched")
             self.metrics.observe_request(route, status, time.perf_counter() - started)
             if route in DECISION_ROUTES:
-                self._observe_outcome(route, status, state.get(_ERROR_CODE), body)
+                self._observe_outcome(status, state.get(_ERROR_CODE))
 
-    def _observe_outcome(self, route: str, status: int, code: str | None, body: list[bytes] | None) -> None:
+    def _observe_outcome(self, status: int, code: str | None) -> None:
         if 200 <= status < 300:
-            self.metrics.observe_outcome("ok", prompt_tokens_of(route, b"".join(body)) if body else 0)
+            self.metrics.observe_outcome("ok")
         else:  # a 500 no handler of ours answered is an unexpected error's
             self.metrics.observe_outcome(code or ("internal_error" if status == 500 else f"http_{status}"))
-
-
-def _is_json(headers: Iterable[tuple[bytes, bytes]]) -> bool:
-    return any(name.lower() == b"content-type" and value.startswith(b"application/json") for name, value in headers)
 
 
 async def _counted_api_error(request: Request, error: Exception) -> Response:

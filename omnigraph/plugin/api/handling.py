@@ -48,9 +48,11 @@ def client_went_away(request: Request, when: str) -> ApiError:
 
 async def run_decision(request: Request, prompt: dict, request_id: str, *, hold: Any = None) -> Decision:
     """One decision through the app's service (admitted through `hold`, a batch's queue slots,
-    when given), its stage times recorded in the app's metrics."""
+    when given), its stage times and prompt tokens recorded in the app's metrics."""
     decision = await request.app.state.service.decide(prompt, request_id=request_id, hold=hold)
-    request.app.state.metrics.observe_stages(decision.stage_durations)
+    metrics = request.app.state.metrics
+    metrics.observe_stages(decision.stage_durations)
+    metrics.observe_prompt_tokens(decision.response["usage"]["input_tokens"])
     return decision
 
 

@@ -18,7 +18,6 @@ HTTP, outcome and prompt-token counters are the app middleware's (plugin/api/app
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -46,13 +45,6 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0
 #: Routes whose requests are decisions: counted in `omnigraph_request_outcomes_total`.
 DECISION_ROUTES = frozenset({"/v1/systemone", "/v1/systemone/batch", "/v1/chat/completions"})
 
-#: Where each decision route's successful JSON answer states its prompt tokens: (object, key).
-PROMPT_TOKEN_FIELDS: Mapping[str, tuple[str, str]] = {
-    "/v1/systemone": ("usage", "input_tokens"),
-    "/v1/systemone/batch": ("total_usage", "input_tokens"),
-    "/v1/chat/completions": ("usage", "prompt_tokens"),
-}
-
 #: Outcomes exported at zero from the start wherever they are counted (`ServerMetrics.count_outcomes`),
 #: so a rate over them exists before the first one happens: "ok" and the `ApiError` codes of the
 #: decision routes' common failures. Any other code a route answers with (an OpenAI route's own, say)
@@ -60,21 +52,6 @@ PROMPT_TOKEN_FIELDS: Mapping[str, tuple[str, str]] = {
 KNOWN_OUTCOMES = ("ok", "invalid_json", "invalid_utf8", "unsupported_media_type", "request_too_large",
                   "invalid_request", "model_not_found", "not_ready", "stage_recovering", "pipeline_failed",
                   "queue_full", "deadline_exceeded", "cancelled", "client_disconnected", "internal_error")
-
-
-def prompt_tokens_of(route: str, body: bytes) -> int:
-    """The prompt tokens a decision route's successful JSON answer states (`PROMPT_TOKEN_FIELDS`),
-    0 where it states none."""
-    place = PROMPT_TOKEN_FIELDS.get(route)
-    if place is None:
-        return 0
-    try:
-        answer = json.loads(body)
-    except ValueError:
-        return 0
-    usage = answer.get(place[0]) if isinstance(answer, dict) else None
-    tokens = usage.get(place[1]) if isinstance(usage, dict) else None
-    return tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else 0
 
 
 def _none() -> None:
@@ -276,11 +253,13 @@ class ServerMetrics:
         for outcome in KNOWN_OUTCOMES:
             self.outcomes.labels(model_name=self.model_name, outcome=outcome)
 
-    def observe_outcome(self, outcome: str, prompt_tokens: int = 0) -> None:
-        """One decision request answered: "ok" (with its prompt tokens), or its error's code."""
+    def observe_outcome(self, outcome: str) -> None:
+        """One decision request answered: "ok", or its error's code."""
         self.outcomes.labels(model_name=self.model_name, outcome=outcome).inc()
-        if prompt_tokens > 0:
-            self.prompt_tokens.labels(model_name=self.model_name).inc(prompt_tokens)
+
+    def observe_prompt_tokens(self, tokens: int) -> None:
+        """The input tokens of one decision the engine answered."""
+        self.prompt_tokens.labels(model_name=self.model_name).inc(tokens)
 
     def observe_stages(self, durations: Mapping[int | str, float]) -> None:
         for stage, seconds in durations.items():
