@@ -438,13 +438,13 @@ def _ort_engine(run: Run, name: str, plan: DeployConfig, lengths: list[LengthReq
 
         for requests in lengths:
             prepared = processor.prepare(requests.timed)
-            (work,) = prepared.work
+            (work,) = prepared.calls
             samples = time_calls(lambda: forward(work), run.args.requests, run.args.warmup)
             run.add_latency(name, requests, samples, precision=verified.manifest.metadata.precision)
         drift_answers = []
         for requests in lengths:
             prepared = processor.prepare(requests.drift)
-            drift_answers.append(processor.finish(prepared, [forward(work) for work in prepared.work]))
+            drift_answers.append(processor.finish(prepared, [forward(work) for work in prepared.calls]))
         run.add_drift(name, drift_answers)
     finally:
         client.close()

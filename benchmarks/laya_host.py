@@ -156,7 +156,7 @@ def stage_calls(size: str, seed: int, harness: Any,
                 return processor.prepare({**request, "questions": questions})
 
             prepared = processor.prepare(request)
-            outputs = fake_outputs(list(prepared.work), rng)
+            outputs = fake_outputs(list(prepared.calls), rng)
             calls += [
                 ({**ident, "case": "validate"}, lambda request=request: parse_request(request)),
                 ({**ident, "case": "tokenize state"}, lambda text=decision.state_text: tokenizer.encode(text)),
@@ -170,7 +170,7 @@ def stage_calls(size: str, seed: int, harness: Any,
                 continue
             calls.append(({**ident, "case": "tokenize new state"},
                           lambda texts=new_words(decision.state_text, texts_per_case): tokenizer.encode(next(texts))))
-            (item,) = prepared.work
+            (item,) = prepared.calls
             for route, adapter in adapters.items():
                 if route == "cpu":
                     calls.append(({**ident, "case": "adapter put", "route": route},

@@ -277,7 +277,7 @@ def case_host(run: Run, bundle: Path, lengths: list[Any]) -> None:
         # finish does the same work whatever the logits hold; these are shaped as the graph's.
         outputs = [{"logits": np.zeros(work["marker_pos"].shape, np.float32),
                     "act_logits": np.zeros((work["marker_pos"].shape[0], 2), np.float32)}
-                   for work in prepared.work]
+                   for work in prepared.calls]
         for name, call in (("host prepare", lambda: processor.prepare(requests.timed)),
                            ("host finish", lambda: processor.finish(prepared, outputs))):
             samples = harness.time_calls(call, calls, warmup=calls // 10)

@@ -58,7 +58,7 @@ def profile_bundle(name: str, bundle: Path, checkpoint: Path, lengths: list[int]
     processor = LayaProcessor({0: verify_bundle(bundle)})
     rows = []
     for requests in laya_gpu.build_requests(checkpoint, tuple(lengths)):
-        (work,) = processor.prepare(requests.timed).work
+        (work,) = processor.prepare(requests.timed).calls
         work = {key: np.repeat(value, batch_rows, axis=0) for key, value in work.items()}  # the row, repeated
         described = describe(work)
         for _ in range(5):

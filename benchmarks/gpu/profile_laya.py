@@ -48,7 +48,7 @@ def kernel_profile(bundle: Path, lengths: list, runs: int) -> list[dict]:
         options.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "profile")
         session = ort.InferenceSession(str(verified.graph_path), options,
                                        providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
-        (work,) = processor.prepare(requests.timed).work
+        (work,) = processor.prepare(requests.timed).calls
         for _ in range(5):
             session.run(None, work)
         started = time.perf_counter()
@@ -118,7 +118,7 @@ def e2e_split(harness: Any, plan: Any, lengths: list, requests_per_length: int) 
             prepared = processor.prepare(requests.timed)
             prepares.append(time.perf_counter() - started)
             outputs = [{"logits": np.zeros(w["marker_pos"].shape, np.float32),
-                        "act_logits": np.zeros((w["marker_pos"].shape[0], 2), np.float32)} for w in prepared.work]
+                        "act_logits": np.zeros((w["marker_pos"].shape[0], 2), np.float32)} for w in prepared.calls]
             started = time.perf_counter()
             processor.finish(prepared, outputs)
             finishes.append(time.perf_counter() - started)

@@ -2,7 +2,7 @@
 
 A processor turns a user request into the first stage's input tensors (``prepare``) and the
 last stage's output tensors back into the user's response (``finish``). The engine between them
-never looks inside either: it only moves ``PreparedRequest.work`` items through the stages and
+never looks inside either: it only moves ``PreparedRequest.calls`` items through the stages and
 hands their outputs back in the same order. That keeps every model's request schema, tokenizer,
 calibration and response shape in its own folder, named by a dotted string in its
 ``PipelineConfig``.
@@ -40,15 +40,15 @@ class RequestTooLarge(RequestInvalid):
 
 
 class ProcessorOutputInvalid(RuntimeError):
-    """Stage outputs that do not fit the prepared work: a pipeline fault, not the caller's."""
+    """Stage outputs that do not fit the prepared calls: a pipeline fault, not the caller's."""
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
     """A validated request: the forward calls it needs and what ``finish`` needs to answer it."""
 
-    work: tuple[dict[str, np.ndarray], ...]  # one forward call each: the first stage's inputs
-    context: Any                             # whatever finish() needs (ids, order, usage)
+    calls: tuple[dict[str, np.ndarray], ...]  # one forward call each: the first stage's inputs
+    context: Any                              # whatever finish() needs (ids, order, usage)
 
 
 class Processor(Protocol):
@@ -56,12 +56,12 @@ class Processor(Protocol):
     is built as `cls(bundles)`: its graph stages' verified bundles by stage id."""
 
     def prepare(self, request: Mapping[str, Any]) -> PreparedRequest:
-        """Validate the whole request, then build its work; raises ``RequestInvalid``."""
+        """Validate the whole request, then build its calls; raises ``RequestInvalid``."""
         ...
 
     def finish(self, prepared: PreparedRequest,
                outputs: Sequence[Mapping[str, np.ndarray]]) -> dict:
-        """Build the response from one output mapping per ``prepared.work`` item."""
+        """Build the response from one output mapping per ``prepared.calls`` item."""
         ...
 
     def warmup_request(self) -> dict | None:

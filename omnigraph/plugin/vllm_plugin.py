@@ -107,16 +107,16 @@ class OmnigraphEndpointPlugin:
     required_tasks = None  # eligible everywhere, including the engine-less render server
 
     def attach_router(self, app: FastAPI) -> None:
-        from omnigraph.plugin.api import decision, ops
+        from omnigraph.plugin.api import decision, probes
         from omnigraph.plugin.api.errors import ApiError, api_error_handler
 
         # Routes straight on the app (not an included router), so vLLM sees each one when it
         # resolves plugin routes against its own.
         app.add_api_route("/v1/systemone", decision.systemone, methods=["POST"])
         app.add_api_route("/v1/systemone/batch", decision.systemone_batch, methods=["POST"])
-        app.add_api_route("/v1/systemone/ready", ops.ready, methods=["GET"])
+        app.add_api_route("/v1/systemone/ready", probes.ready, methods=["GET"])
         if not any(getattr(route, "path", None) == "/ready" for route in app.routes):
-            app.add_api_route("/ready", ops.ready, methods=["GET"])  # as `omnigraph serve` has it
+            app.add_api_route("/ready", probes.ready, methods=["GET"])  # as `omnigraph serve` has it
         app.add_exception_handler(ApiError, api_error_handler)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

@@ -220,11 +220,11 @@ class Orchestrator:
             hold.take()
         if deadline is not None:
             request.deadline_entry = self._deadlines.watch(request)
-        if not prepared.work:
+        if not prepared.calls:
             request.outputs_complete()
             return request
         try:
-            for index, tensors in enumerate(prepared.work):
+            for index, tensors in enumerate(prepared.calls):
                 self._queue(_WorkItem(self, request, index, 0, tensors))
         except StageUnavailable as exc:
             request.fail(exc)
@@ -304,7 +304,7 @@ class Orchestrator:
             return
         following = self._chain[position]
         try:
-            produced = following.handoff({stage.stage_id: outputs}, request.prepared.work[item.index])
+            produced = following.handoff({stage.stage_id: outputs}, request.prepared.calls[item.index])
             if not isinstance(produced, Mapping) or set(produced) != {"tensors"}:
                 raise HandoffInvalid(f"stage {following.stage_id}: custom_process_input_func must return "
                                      "{'tensors': {...}}")

@@ -36,7 +36,7 @@ Deliver = Callable[["RequestState"], None]
 
 
 class RequestState:
-    """One admitted request: its prepared work, its outputs so far, its phase, and its outcome.
+    """One admitted request: its prepared calls, its outputs so far, its phase, and its outcome.
 
     `done` is the future its caller awaits: an asyncio future of the caller's loop (the async
     front) or a `concurrent.futures.Future` (the blocking front, `wait`); only the output step
@@ -58,8 +58,8 @@ class RequestState:
         self.error: BaseException | None = None
         self.done = done
         self.deadline_entry: list | None = None  # the deadline watch's, while it watches
-        self._outputs: list[Mapping[str, np.ndarray] | None] = [None] * len(prepared.work)
-        self._remaining = len(prepared.work)
+        self._outputs: list[Mapping[str, np.ndarray] | None] = [None] * len(prepared.calls)
+        self._remaining = len(prepared.calls)
         self._lock = threading.Lock()
         self._deliver = deliver
         self._delivered = False

@@ -35,7 +35,7 @@ class TensorProcessor:
         if size > self._max_io_bytes:
             raise RequestTooLarge("tensors", f"{size} bytes of tensors; the stage's route takes at most "
                                              f"{self._max_io_bytes}")
-        return PreparedRequest(work=(tensors,), context=None)
+        return PreparedRequest(calls=(tensors,), context=None)
 
     def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         return dict(outputs[0])

@@ -156,9 +156,9 @@ def test_a_checkpoint_prompt_template_replaces_the_defaults(cua_checkpoint, cua_
     assert audit["prompt_template_sha256"] == sha256_file(bundle.file("prompt_template.json"))
     assert audit["prompt_template_sha256"] != CuaS1Processor({1: cua_bundle}).audit()["prompt_template_sha256"]
     ids = CuaS1Processor({1: bundle}).prepare({"state": "s", "questions": {"q": {
-        "type": "choice", "instructions": "i", "criteria": ["a", "b"]}}}).work[0]["prompt_token_ids"]
+        "type": "choice", "instructions": "i", "criteria": ["a", "b"]}}}).calls[0]["prompt_token_ids"]
     default_ids = CuaS1Processor({1: cua_bundle}).prepare({"state": "s", "questions": {"q": {
-        "type": "choice", "instructions": "i", "criteria": ["a", "b"]}}}).work[0]["prompt_token_ids"]
+        "type": "choice", "instructions": "i", "criteria": ["a", "b"]}}}).calls[0]["prompt_token_ids"]
     assert len(ids) < len(default_ids)
 
     (checkpoint / "prompt_template.json").write_text(json.dumps({"chat_template": "x"}))

@@ -57,8 +57,8 @@ def test_a_bad_question_refuses_the_whole_request(cua_processor):
 
 def test_one_prompt_per_question_in_request_order(cua_processor):
     prepared = cua_processor.prepare(_request(b=_choice(["x", "y"]), a=_choice({"p": "go", "q": None, "r": "stay"})))
-    assert len(prepared.work) == 2
-    for work in prepared.work:
+    assert len(prepared.calls) == 2
+    for work in prepared.calls:
         assert set(work) == {"prompt_token_ids", "prompt_lengths"}
         assert work["prompt_lengths"].tolist() == [len(work["prompt_token_ids"])]
     assert [q.qid for q in prepared.context.request.questions] == ["b", "a"]
@@ -80,11 +80,11 @@ def test_finish_is_a_softmax_over_the_questions_own_letters(cua_processor):
     two = response["answers"]["two"]
     assert two["choice"] == 7 and list(two["probabilities"]) == [True, 7]
     assert response["model"] == "cua_s1"
-    assert response["usage"] == {"input_tokens": sum(len(w["prompt_token_ids"]) for w in prepared.work),
+    assert response["usage"] == {"input_tokens": sum(len(w["prompt_token_ids"]) for w in prepared.calls),
                                  "output_tokens": 0}
     # the audit's lists follow question order; each question may answer with its own first n letters
     audit = response["audit"]
-    assert audit["input_tokens"] == [len(w["prompt_token_ids"]) for w in prepared.work]
+    assert audit["input_tokens"] == [len(w["prompt_token_ids"]) for w in prepared.calls]
     assert audit["prompt_template_sha256"] == [cua_processor.audit()["prompt_template_sha256"]] * 2
     ids = cua_processor._letter_ids
     assert audit["allowed_token_set_hash"] == [allowed_token_set_hash(ids[:3]), allowed_token_set_hash(ids[:2])]
@@ -119,13 +119,13 @@ def test_outputs_that_do_not_fit_the_work_are_a_pipeline_fault(cua_processor):
 
 def test_empty_questions_need_no_work(cua_processor):
     prepared = cua_processor.prepare({"state": "s", "questions": {}})
-    assert prepared.work == ()
+    assert prepared.calls == ()
     assert cua_processor.finish(prepared, [])["answers"] == {}
 
 
 def test_warmup_request_is_valid_and_fresh(cua_processor):
     first = cua_processor.warmup_request()
-    assert len(cua_processor.prepare(first).work) == 1
+    assert len(cua_processor.prepare(first).calls) == 1
     first["state"] = "changed"
     assert cua_processor.warmup_request()["state"] != "changed"
 

@@ -63,8 +63,8 @@ def hf_tokenizer(cua_bundle):
 @pytest.mark.parametrize("request_body, expected", CASES)
 def test_prompt_ids_equal_transformers_chat_template(cua_processor, hf_tokenizer, request_body, expected):
     prepared = cua_processor.prepare(request_body)
-    assert len(prepared.work) == len(expected)
-    for work, (qid, (goal, state, labels)) in zip(prepared.work, expected.items()):
+    assert len(prepared.calls) == len(expected)
+    for work, (qid, (goal, state, labels)) in zip(prepared.calls, expected.items()):
         messages = reference_messages(goal, state, labels)
         text = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = hf_tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,

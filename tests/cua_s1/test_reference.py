@@ -39,13 +39,13 @@ def test_head_and_processor_reproduce_the_language_models_letter_probabilities(c
     prepared = cua_processor.prepare(REQUEST)
     head = ort.InferenceSession(str(cua_bundle.graph_path), providers=["CPUExecutionProvider"])
     outputs = []
-    for work in prepared.work:
+    for work in prepared.calls:
         hidden = reference_hidden_state(merged_model, work["prompt_token_ids"].tolist())
         (logits,) = head.run(["letter_logits"], {"hidden_states": hidden[None, :]})
         outputs.append({"letter_logits": logits})
     response = cua_processor.finish(prepared, outputs)
     letter_ids = cua_bundle.manifest.metadata.layout["letter_token_ids"]
-    for work, question in zip(prepared.work, prepared.context.request.questions):
+    for work, question in zip(prepared.calls, prepared.context.request.questions):
         n = len(question.keys)
         by_letter = reference_letter_probabilities(merged_model, work["prompt_token_ids"].tolist(), letter_ids, n)
         expected = np.empty(n)
@@ -62,7 +62,7 @@ def test_merged_backbone_answers_as_base_plus_adapter(cua_checkpoint, cua_bundle
     base = transformers.AutoModelForCausalLM.from_pretrained(str(cua_checkpoint / "base"), dtype=torch.float32)
     adapted = peft.PeftModel.from_pretrained(base, str(cua_checkpoint / "text")).eval()
     letter_ids = cua_bundle.manifest.metadata.layout["letter_token_ids"]
-    work = cua_processor.prepare(REQUEST).work[0]
+    work = cua_processor.prepare(REQUEST).calls[0]
     ids = work["prompt_token_ids"].tolist()
     merged = reference_letter_probabilities(merged_model, ids, letter_ids, 3)
     unmerged = reference_letter_probabilities(adapted, ids, letter_ids, 3)

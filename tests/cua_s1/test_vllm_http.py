@@ -52,13 +52,13 @@ def test_http_answers_match_transformers_and_numpy(server, cua_bundle, cua_proce
     model = transformers.AutoModelForCausalLM.from_pretrained(str(cua_bundle.root / "backbone"), dtype=torch.float32)
     prepared = cua_processor.prepare(REQUEST)
     letter_ids = cua_bundle.manifest.metadata.layout["letter_token_ids"]
-    for work, question in zip(prepared.work, prepared.context.request.questions):
+    for work, question in zip(prepared.calls, prepared.context.request.questions):
         expected = reference_letter_probabilities(model.eval(), work["prompt_token_ids"].tolist(), letter_ids,
                                                   len(question.keys))
         answer = body["answers"][question.qid]
         assert answer["type"] == "choice" and list(answer["probabilities"]) == [str(k) for k in question.keys]
         np.testing.assert_allclose(list(answer["probabilities"].values()), expected, rtol=0, atol=1e-3)
-    assert body["usage"] == {"input_tokens": sum(len(w["prompt_token_ids"]) for w in prepared.work),
+    assert body["usage"] == {"input_tokens": sum(len(w["prompt_token_ids"]) for w in prepared.calls),
                              "output_tokens": 0}
 
 

@@ -44,7 +44,7 @@ def reference_response(processor, model, letter_ids: list[int], request: dict) -
     checked against transformers' chat template in test_prompt.py)."""
     prepared = processor.prepare(request)
     expected = {}
-    for work, question in zip(prepared.work, prepared.context.request.questions):
+    for work, question in zip(prepared.calls, prepared.context.request.questions):
         by_letter = reference_letter_probabilities(model, work["prompt_token_ids"].tolist(), letter_ids,
                                                    len(question.keys))
         probabilities = np.empty(len(question.keys))
@@ -94,7 +94,7 @@ def test_answers_match_transformers_and_numpy(omni, cua_bundle, cua_processor, r
             if top - second > 2e-3:  # a closer race may flip within the tolerance
                 assert answer["choice"] == keys[int(probabilities.argmax())]
         prepared = cua_processor.prepare(request)
-        assert response["usage"] == {"input_tokens": sum(len(w["prompt_token_ids"]) for w in prepared.work),
+        assert response["usage"] == {"input_tokens": sum(len(w["prompt_token_ids"]) for w in prepared.calls),
                                      "output_tokens": 0}
 
 

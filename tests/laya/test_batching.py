@@ -116,7 +116,7 @@ def test_usage_counts_each_requests_own_tokens(bundle, processor):
 
 
 def test_the_adapter_pads_the_merged_call_and_gives_each_item_its_own_rows_and_slots(processor, adapter):
-    items = [processor.prepare(REQUESTS[i]).work[0] for i in (0, 1, 4)]
+    items = [processor.prepare(REQUESTS[i]).calls[0] for i in (0, 1, 4)]
     assert [item["input_ids"].shape[0] for item in items] == [1, 1, 3]  # real rows only
     packed = adapter.pack(items)
     length = max(item["input_ids"].shape[1] for item in items)
@@ -142,7 +142,7 @@ def test_the_adapter_pads_the_merged_call_and_gives_each_item_its_own_rows_and_s
 
 
 def test_routes_without_fixed_shapes_get_no_padding_rows(bundle, fixed_shape_bundle, processor):
-    items = [processor.prepare(REQUESTS[i]).work[0] for i in (0, 1, 4)]
+    items = [processor.prepare(REQUESTS[i]).calls[0] for i in (0, 1, 4)]
     cpu = LayaBatchAdapter(verify_bundle(bundle), route())
     assert not cpu.fixed_shapes
     assert LayaBatchAdapter(verify_bundle(fixed_shape_bundle), route(ep="tensorrt")).fixed_shapes
@@ -152,7 +152,7 @@ def test_routes_without_fixed_shapes_get_no_padding_rows(bundle, fixed_shape_bun
 
 def test_cuda_graph_routes_pad_rows_only_up_to_the_captured_size(fixed_shape_bundle, processor):
     """Like vLLM's cudagraph capture sizes: small calls pad to a captured bucket, large ones stay exact."""
-    items = [processor.prepare(REQUESTS[i]).work[0] for i in (0, 1, 4)]  # 5 rows
+    items = [processor.prepare(REQUESTS[i]).calls[0] for i in (0, 1, 4)]  # 5 rows
     bundle = verify_bundle(fixed_shape_bundle)
     graphs = LayaBatchAdapter(bundle, route(ep="cuda", enable_cuda_graph=True, cuda_graph_max_rows=4))
     assert [graphs.padded_rows(rows) for rows in (1, 3, 4, 5, 26)] == [1, 4, 4, 5, 26]
@@ -181,7 +181,7 @@ class Item:
 
 def test_length_classes_token_limits_and_the_marker_cap_bound_what_a_call_holds(processor, adapter,
                                                                                  fixed_shape_bundle):
-    work = {i: processor.prepare(request).work[0] for i, request in enumerate(REQUESTS)}
+    work = {i: processor.prepare(request).calls[0] for i, request in enumerate(REQUESTS)}
     lengths = {i: item["input_ids"].shape[1] for i, item in work.items()}
     long_class = [i for i in work if lengths[i] > 128]
     assert long_class and len(long_class) < len(work)  # the 150-word state runs in another class

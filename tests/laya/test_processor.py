@@ -36,7 +36,7 @@ def _fake_outputs(prepared: PreparedRequest, seed: int = 0) -> list[dict[str, np
     """Graph-shaped outputs: random logits, -1e4 on padded marker slots."""
     rng = np.random.default_rng(seed)
     outputs = []
-    for work in prepared.work:
+    for work in prepared.calls:
         logits = rng.normal(0, 2, work["marker_pos"].shape).astype(np.float32)
         logits[~work["marker_mask"]] = -1e4
         outputs.append({"logits": logits,
@@ -46,7 +46,7 @@ def _fake_outputs(prepared: PreparedRequest, seed: int = 0) -> list[dict[str, np
 
 def test_prepare_builds_bucketed_tensors_with_the_graph_dtypes(processor):
     prepared = processor.prepare(REQUEST)
-    (work,) = prepared.work
+    (work,) = prepared.calls
     assert {name: array.dtype for name, array in work.items()} == {
         "input_ids": np.int64, "attention_mask": np.int64, "marker_pos": np.int64,
         "marker_mask": np.bool_, "qtype": np.int64}
@@ -109,7 +109,7 @@ def test_probabilities_are_per_question(processor):
     team_row = prepared_all.context.batches[0].index(1)
     outputs_one = [{"logits": outputs_all[0]["logits"][[team_row]][:, :4],
                     "act_logits": outputs_all[0]["act_logits"][[team_row]]}]
-    assert prepared_one.work[0]["marker_pos"].shape == (1, 4)
+    assert prepared_one.calls[0]["marker_pos"].shape == (1, 4)
     assert (processor.finish(prepared_one, outputs_one)["answers"]["team"]
             == processor.finish(prepared_all, outputs_all)["answers"]["team"])
 
@@ -140,8 +140,8 @@ def test_remembered_encodings_build_the_same_tensors_as_cold_ones(laya_tiny_bund
         for request in MEMO_REQUESTS:
             expected, got = cold.prepare(request), warm.prepare(request)
             assert got.context.row_tokens == expected.context.row_tokens
-            assert len(got.work) == len(expected.work)
-            for got_item, expected_item in zip(got.work, expected.work):
+            assert len(got.calls) == len(expected.calls)
+            for got_item, expected_item in zip(got.calls, expected.calls):
                 assert got_item.keys() == expected_item.keys()
                 for name, array in expected_item.items():
                     assert got_item[name].dtype == array.dtype and np.array_equal(got_item[name], array), name
@@ -165,7 +165,7 @@ def test_the_memo_of_question_heads_stays_bounded(laya_tiny_bundle, monkeypatch)
 
 def test_a_request_without_questions_needs_no_forward_pass(processor):
     prepared = processor.prepare({"state": "anything", "questions": {}})
-    assert prepared.work == ()
+    assert prepared.calls == ()
     assert processor.finish(prepared, []) == {
         "model": "laya", "answers": {}, "usage": {"input_tokens": 0, "output_tokens": 0},
         "audit": {"prompt_template_sha256": [], "allowed_token_set_hash": [], "input_tokens": []}}
@@ -212,7 +212,7 @@ def test_options_that_do_not_fit_max_len_are_refused(laya_tiny_bundle, tmp_path)
 def test_warmup_request_is_a_real_request(processor):
     warmup = processor.warmup_request()
     prepared = processor.prepare(warmup)
-    assert len(prepared.work) == 1
+    assert len(prepared.calls) == 1
     warmup["questions"].clear()                                # a copy: the next one is whole
     assert processor.warmup_request()["questions"]
 

@@ -150,7 +150,7 @@ def pair(request):
 def _rows(prepared) -> list[tuple[list[int], list[int]]]:
     """Each question's (ids, markers), read back out of the padded work tensors."""
     rows = {}
-    for work, batch in zip(prepared.work, prepared.context.batches):
+    for work, batch in zip(prepared.calls, prepared.context.batches):
         for row, index in enumerate(batch):
             length = int(work["attention_mask"][row].sum())
             ids = work["input_ids"][row, :length].tolist()
@@ -176,7 +176,7 @@ def _run_reference_model(agent, prepared) -> list[dict[str, np.ndarray]]:
     """The reference model on the processor's padded work tensors."""
     outputs = []
     with torch.no_grad():
-        for work in prepared.work:
+        for work in prepared.calls:
             logits, act_logits = agent.model(*(torch.from_numpy(work[name]) for name in
                                                ("input_ids", "attention_mask", "marker_pos",
                                                 "marker_mask", "qtype")))
@@ -200,7 +200,7 @@ def _system_one_and_its_logits(agent, request) -> tuple[dict, np.ndarray, np.nda
 def _in_work_layout(prepared, logits: np.ndarray, act_logits: np.ndarray) -> list[dict[str, np.ndarray]]:
     """Per-question rows placed where the processor's work puts them, as a graph would return them."""
     outputs = []
-    for work, batch in zip(prepared.work, prepared.context.batches):
+    for work, batch in zip(prepared.calls, prepared.context.batches):
         rows = [*batch, *[batch[-1]] * (len(work["qtype"]) - len(batch))]
         out_logits = np.full(work["marker_pos"].shape, -1e4, dtype=np.float32)
         for row, index in enumerate(rows):
@@ -280,8 +280,8 @@ def test_split_batches_answer_as_the_unsplit_reference(laya_reference_tiny, laya
     processor = LayaProcessor({0: laya_tiny_bundle}, **limits)
     request = _many_questions_request(n_questions)
     prepared = processor.prepare(request)
-    assert len(prepared.work) == n_batches
-    for work in prepared.work:
+    assert len(prepared.calls) == n_batches
+    for work in prepared.calls:
         rows, slots = work["marker_pos"].shape
         assert rows <= processor.layout.max_rows and rows * slots <= processor.layout.max_marker_slots
     _assert_parity(agent, processor, request)  # the reference answers all of them in one pass

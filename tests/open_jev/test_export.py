@@ -69,7 +69,7 @@ def test_a_template_the_checkpoint_carries_is_used(jev_checkpoint, tmp_path):
     processor = OpenJevProcessor({1: bundle})
     prepared = processor.prepare({"state": "s", "questions": {"q": {"type": "noul", "instructions": "i"}}})
     tokenizer = Tokenizer.from_file(str(bundle.file("backbone/tokenizer.json")))
-    assert prepared.work[0]["prompt_token_ids"].tolist() == tokenizer.encode("State: s\nAsk: i\nYes?").ids
+    assert prepared.calls[0]["prompt_token_ids"].tolist() == tokenizer.encode("State: s\nAsk: i\nYes?").ids
     assert processor.audit()["prompt_template_sha256"] == hashlib.sha256(template.to_json().encode()).hexdigest()
 
 

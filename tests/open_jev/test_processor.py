@@ -40,8 +40,8 @@ def test_prompts_and_token_ids_equal_the_transformers_reference(jev_processor, j
     """Structured values (the state, instructions, criteria) are shown as JSON with sorted keys."""
     prepared = jev_processor.prepare(REQUEST)
     expected = jev_reference.token_ids(REQUEST)
-    assert len(prepared.work) == len(REQUEST["questions"])  # one work item per question
-    for work, (qid, ids) in zip(prepared.work, expected.items()):
+    assert len(prepared.calls) == len(REQUEST["questions"])  # one work item per question
+    for work, (qid, ids) in zip(prepared.calls, expected.items()):
         assert work["prompt_token_ids"].dtype == np.int64 and work["prompt_lengths"].dtype == np.int64
         assert int(work["prompt_lengths"].sum()) == len(work["prompt_token_ids"])
         assert _split(work) == ids, qid
@@ -50,14 +50,14 @@ def test_prompts_and_token_ids_equal_the_transformers_reference(jev_processor, j
 
 def test_answers_match_the_reference_scores(jev_processor, jev_reference):
     prepared = jev_processor.prepare(REQUEST)
-    outputs = [{"scores": jev_reference.scores(_split(work))} for work in prepared.work]
+    outputs = [{"scores": jev_reference.scores(_split(work))} for work in prepared.calls]
     response = jev_processor.finish(prepared, outputs)
     assert response["model"] == "open-jev-tiny"
     assert_matches_reference(response, REQUEST, jev_reference, tol=1e-4)
     assert response["answers"]["labels"]["probabilities"].keys() == {"late", "billing", 7}
-    assert response["audit"]["input_tokens"] == [int(work["prompt_lengths"].sum()) for work in prepared.work]
+    assert response["audit"]["input_tokens"] == [int(work["prompt_lengths"].sum()) for work in prepared.calls]
     assert response["audit"]["prompt_template_sha256"] == [jev_processor.audit()["prompt_template_sha256"]] * len(
-        prepared.work)
+        prepared.calls)
 
 
 def _finish(processor, request, scores_by_question):
@@ -108,7 +108,7 @@ def test_the_head_batches_several_requests_without_mixing_their_questions(jev_pr
     rng = np.random.default_rng(0)
     session = ort.InferenceSession(str(jev_bundle.graph_path), providers=["CPUExecutionProvider"])
     prepared = [jev_processor.prepare(first), jev_processor.prepare(second)]
-    items = [work for p in prepared for work in p.work]
+    items = [work for p in prepared for work in p.calls]
     hidden = [rng.standard_normal((len(w["prompt_lengths"]), 128), dtype=np.float32) for w in items]
     (merged,) = session.run(["scores"], {"hidden_states": np.concatenate(hidden)})
     alone = [session.run(["scores"], {"hidden_states": h})[0] for h in hidden]
@@ -155,7 +155,7 @@ def test_a_prompt_over_max_model_len_is_refused_not_truncated(jev_processor):
 
 def test_outputs_that_do_not_fit_the_work_are_a_pipeline_fault(jev_processor):
     prepared = jev_processor.prepare(REQUEST)
-    good = [{"scores": np.zeros(len(w["prompt_lengths"]))} for w in prepared.work]
+    good = [{"scores": np.zeros(len(w["prompt_lengths"]))} for w in prepared.calls]
     bad_outputs = [
         good[:-1],
         [*good[:-1], {"logits": np.zeros(3)}],
@@ -170,12 +170,12 @@ def test_outputs_that_do_not_fit_the_work_are_a_pipeline_fault(jev_processor):
 
 def test_an_empty_request_has_no_work(jev_processor):
     prepared = jev_processor.prepare({"state": "s", "questions": {}})
-    assert prepared.work == ()
+    assert prepared.calls == ()
     assert jev_processor.finish(prepared, [])["answers"] == {}
 
 
 def test_warmup_request_is_valid_and_audit_names_what_answers(jev_processor, jev_bundle):
-    assert len(jev_processor.prepare(jev_processor.warmup_request()).work) == 2
+    assert len(jev_processor.prepare(jev_processor.warmup_request()).calls) == 2
     audit = jev_processor.audit()
     assert audit["model_hash"] == jev_bundle.manifest_sha256
     assert audit["prompt_template_sha256"] == jev_bundle.manifest.files["prompt_template.json"]

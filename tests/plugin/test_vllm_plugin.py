@@ -200,7 +200,7 @@ def test_vllm_serve_runs_the_backbone_of_a_mixed_pipeline_in_its_own_engine(tmp_
             f"vllm {vllm.__version__} float32 (vllm serve engine_client) -> onnxruntime ")
         answer = response.json()["answers"]["next"]
     # the reference: transformers' final-norm last hidden state times the letters' output rows
-    prompt_ids = CuaS1Processor({1: bundle}).prepare(CUA_REQUEST).work[0]["prompt_token_ids"].tolist()
+    prompt_ids = CuaS1Processor({1: bundle}).prepare(CUA_REQUEST).calls[0]["prompt_token_ids"].tolist()
     model = AutoModelForCausalLM.from_pretrained(backbone, dtype=torch.float32).eval()
     with torch.no_grad():
         hidden = model.model(input_ids=torch.tensor([prompt_ids])).last_hidden_state[0, -1]

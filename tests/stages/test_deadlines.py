@@ -18,7 +18,7 @@ class _Context:
 
 def _request(name: str, seconds: float) -> RequestState:
     step = InlineOutputStep(lambda request: None)
-    return RequestState(name, PreparedRequest(work=(), context=_Context()), time.monotonic() + seconds, step.post,
+    return RequestState(name, PreparedRequest(calls=(), context=_Context()), time.monotonic() + seconds, step.post,
                         step.new_future())
 
 

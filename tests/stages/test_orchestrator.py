@@ -233,7 +233,7 @@ class RowsProcessor:
 
     def prepare(self, request):
         rows = request["rows"]
-        return PreparedRequest(work=tuple({"x": np.full((1, 4), r, np.float32)} for r in rows), context=len(rows))
+        return PreparedRequest(calls=tuple({"x": np.full((1, 4), r, np.float32)} for r in rows), context=len(rows))
 
     def finish(self, prepared, outputs):
         assert len(outputs) == prepared.context

@@ -151,13 +151,13 @@ class CuaS1Processor:
             work.append({"prompt_token_ids": np.asarray(ids, dtype=np.int64),
                          "prompt_lengths": np.asarray([len(ids)], dtype=np.int64)})
             lengths.append(len(ids))
-        return PreparedRequest(work=tuple(work), context=CuaS1Context(request=choice, prompt_tokens=tuple(lengths)))
+        return PreparedRequest(calls=tuple(work), context=CuaS1Context(request=choice, prompt_tokens=tuple(lengths)))
 
     def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict:
         """The response: each question answered on its own prompt's letter logits."""
         context: CuaS1Context = prepared.context
-        if len(outputs) != len(prepared.work):
-            raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per question), "
+        if len(outputs) != len(prepared.calls):
+            raise ProcessorOutputInvalid(f"expected {len(prepared.calls)} outputs (one per question), "
                                          f"got {len(outputs)}")
         questions = context.request.questions
         answers = []

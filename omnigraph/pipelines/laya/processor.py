@@ -137,14 +137,14 @@ class LayaProcessor:
         decision = parse_request(request, self._limits)
         if not decision.questions:
             context = LayaContext(request=decision, batches=(), row_tokens=())
-            return PreparedRequest(work=(), context=context)
+            return PreparedRequest(calls=(), context=context)
         state_ids = self._tokenizer.encode(decision.state_text)
         rows = [self._row(question, state_ids, decision.truncate_left) for question in decision.questions]
         batches = tuple(pack_batches(rows, self._layout))
         work = tuple(collate([rows[i] for i in batch], self._layout) for batch in batches)
         context = LayaContext(request=decision, batches=batches,
                               row_tokens=tuple(len(row.ids) for row in rows))
-        return PreparedRequest(work=work, context=context)
+        return PreparedRequest(calls=work, context=context)
 
     def _row(self, question: Question, state_ids: list[int], truncate_left: bool) -> Row:
         row = head_row(self._head(question), state_ids, sep_id=self._tokenizer.sep_id,
@@ -174,12 +174,12 @@ class LayaProcessor:
     def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict:
         """The response: each question decoded on its own row and options, padding dropped."""
         context: LayaContext = prepared.context
-        if len(outputs) != len(prepared.work):
-            raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per work "
+        if len(outputs) != len(prepared.calls):
+            raise ProcessorOutputInvalid(f"expected {len(prepared.calls)} outputs (one per work "
                                          f"item), got {len(outputs)}")
         questions = context.request.questions
         answers: list[dict] = [{} for _ in questions]
-        for item, (work, output, batch) in enumerate(zip(prepared.work, outputs, context.batches)):
+        for item, (work, output, batch) in enumerate(zip(prepared.calls, outputs, context.batches)):
             logits, act_logits = self._checked_outputs(item, work, output)
             acts = act_probabilities(act_logits)
             for row, index in enumerate(batch):

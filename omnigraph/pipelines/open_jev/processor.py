@@ -183,7 +183,7 @@ class OpenJevProcessor:
             counts.append(len(group))
             tokens.append(sum(lengths))
         context = OpenJevContext(request=decision, prompt_counts=tuple(counts), prompt_tokens=tuple(tokens))
-        return PreparedRequest(work=tuple(work), context=context)
+        return PreparedRequest(calls=tuple(work), context=context)
 
     def _check_budget(self, question: Question, ids: Sequence[Sequence[int]]) -> None:
         """Refuse a question whose longest prompt exceeds ``max_model_len`` (never truncated)."""
@@ -203,8 +203,8 @@ class OpenJevProcessor:
     def finish(self, prepared: PreparedRequest, outputs: Sequence[Mapping[str, np.ndarray]]) -> dict:
         """The response: each question decoded over its own candidates' scores only."""
         context: OpenJevContext = prepared.context
-        if len(outputs) != len(prepared.work):
-            raise ProcessorOutputInvalid(f"expected {len(prepared.work)} outputs (one per question), "
+        if len(outputs) != len(prepared.calls):
+            raise ProcessorOutputInvalid(f"expected {len(prepared.calls)} outputs (one per question), "
                                          f"got {len(outputs)}")
         questions = context.request.questions
         answers = [decode_answer(question, self._checked_scores(item, output, count), self._calibration)

@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omnigraph.plugin.api import decision, openai_routes, ops
+from omnigraph.plugin.api import decision, openai_routes, probes
 from omnigraph.plugin.api.auth import BearerKeyAuth
 from omnigraph.plugin.api.body import MAX_BODY_BYTES
 from omnigraph.plugin.api.errors import ApiError, api_error_handler, unexpected_error_handler
@@ -114,8 +114,8 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
     app.add_exception_handler(Exception, unexpected_error_handler)
     app.include_router(decision.router)
     app.include_router(openai_routes.router)
-    app.include_router(ops.router)
-    app.add_api_route("/v1/systemone/ready", ops.ready, methods=["GET"])  # the path it has inside vLLM
+    app.include_router(probes.router)
+    app.add_api_route("/v1/systemone/ready", probes.ready, methods=["GET"])  # the path it has inside vLLM
     if api_key is not None:
         app.add_middleware(BearerKeyAuth, api_key=api_key)  # inside the metrics: a 401 is counted
     app.add_middleware(_RequestMetrics, metrics=app.state.metrics)

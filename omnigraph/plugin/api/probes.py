@@ -1,4 +1,4 @@
-"""Operational routes: liveness (System One's health body), readiness, Prometheus metrics."""
+"""Probes: liveness, readiness, Prometheus metrics (what load balancers and Prometheus poll)."""
 
 from __future__ import annotations
 
