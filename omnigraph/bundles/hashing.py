@@ -1,4 +1,4 @@
-"""sha256 of bundle files, streamed in 1 MiB chunks, with an optional progress bar for big ones."""
+"""sha256 of bundle files, streamed in 1 MiB chunks, reporting progress on big ones to the caller's bar."""
 
 from __future__ import annotations
 
@@ -6,16 +6,29 @@ import hashlib
 import os
 import re
 import stat
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 CHUNK_BYTES = 1 << 20
-# Files at least this big get a progress bar when the caller asks for one.
+# Files at least this big report progress when the caller asks for it (smaller ones hash in well
+# under a second).
 PROGRESS_MIN_BYTES = 64 << 20
-_PROGRESS_INTERVAL_S = 0.25
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class ByteProgress(Protocol):
+    """A progress display for one file: told each chunk's size, then closed (tqdm's bar is one)."""
+
+    def update(self, count: int) -> object: ...
+
+    def close(self) -> object: ...
+
+
+# Opens the display for one big file, given its path and size. The caller's room chooses the display
+# (the CLI's is a tqdm bar on stderr), so this room stays on the worker interpreter's imports.
+ProgressFactory = Callable[[Path, int], ByteProgress]
 
 
 def is_sha256_hex(value: object) -> bool:
@@ -47,17 +60,19 @@ def read_file(path: str | os.PathLike[str]) -> tuple[bytes, FileIdentity]:
         return handle.read(), FileIdentity.of(status)
 
 
-def sha256_file(path: str | os.PathLike[str], *, progress: bool = False) -> str:
+def sha256_file(path: str | os.PathLike[str], *, progress: ProgressFactory | None = None) -> str:
     """Hex sha256 of a file's bytes (see sha256_file_identity)."""
     return sha256_file_identity(path, progress=progress)[0]
 
 
-def sha256_file_identity(path: str | os.PathLike[str], *, progress: bool = False) -> tuple[str, FileIdentity]:
+def sha256_file_identity(
+    path: str | os.PathLike[str], *, progress: ProgressFactory | None = None
+) -> tuple[str, FileIdentity]:
     """Hex sha256 of a file's bytes, read in 1 MiB chunks so memory stays flat for any size, and
     the file's identity when it was opened (what bundles/watch.py compares cheaply later).
 
-    With `progress=True`, files of at least PROGRESS_MIN_BYTES show a tqdm bar on stderr (tqdm is
-    imported only then: a worker's interpreter never needs it).
+    With `progress`, a file of at least PROGRESS_MIN_BYTES opens a display through it and reports
+    every chunk hashed.
     """
     path = Path(path)
     digest = hashlib.sha256()
@@ -65,7 +80,7 @@ def sha256_file_identity(path: str | os.PathLike[str], *, progress: bool = False
     view = memoryview(buffer)
     with open(path, "rb") as handle:
         status = os.fstat(handle.fileno())
-        bar = _progress_bar(path, status.st_size) if progress and status.st_size >= PROGRESS_MIN_BYTES else None
+        bar = progress(path, status.st_size) if progress is not None and status.st_size >= PROGRESS_MIN_BYTES else None
         try:
             while count := handle.readinto(buffer):
                 digest.update(view[:count])
@@ -76,9 +91,3 @@ def sha256_file_identity(path: str | os.PathLike[str], *, progress: bool = False
                 bar.close()
     return digest.hexdigest(), FileIdentity.of(status)
 
-
-def _progress_bar(path: Path, total: int) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=f"hashing {path.name}", unit="B", unit_scale=True, unit_divisor=1024,
-                file=sys.stderr, mininterval=_PROGRESS_INTERVAL_S)

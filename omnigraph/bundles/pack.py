@@ -13,7 +13,7 @@ import onnx
 from omnigraph import __version__
 from omnigraph.bundles.errors import BundleFileMissing, BundlePathUnsafe, ManifestInvalid
 from omnigraph.bundles.external_data import check_external_data, graph_members
-from omnigraph.bundles.hashing import sha256_file
+from omnigraph.bundles.hashing import ProgressFactory, sha256_file
 from omnigraph.bundles.manifest import SCHEMA_VERSION, BundleMetadata, CustomOpsEntry, Manifest
 from omnigraph.bundles.members import check_member_format
 from omnigraph.bundles.onnx_graph import iter_tensors, load_graph_structure
@@ -32,7 +32,7 @@ def pack_bundle(
     example_inputs_file: str | None = None,
     metadata: Mapping[str, Any] | None = None,
     custom_ops: CustomOpsEntry | Mapping[str, Any] | None = None,
-    progress: bool = False,
+    progress: ProgressFactory | None = None,
 ) -> VerifiedBundle:
     """Hash every file under `directory` (but manifest.json) into `directory/manifest.json`.
 
@@ -43,7 +43,7 @@ def pack_bundle(
     The folder is refused, and nothing written, if it holds unsafe names, links out of it, a
     member that does not parse as its name says (bundles/members.py), or a graph whose external
     data is not among its files. The manifest is replaced atomically and the
-    result verified from disk.
+    result verified from disk. `progress` opens a display for each big file hashed (hashing.py).
     """
     root = Path(directory)
     if not root.is_dir():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omnigraph.bundles.errors import BundleFileMissing, BundleHashMismatch
 from omnigraph.bundles.external_data import check_external_data, graph_members
-from omnigraph.bundles.hashing import FileIdentity, sha256_file_identity
+from omnigraph.bundles.hashing import FileIdentity, ProgressFactory, sha256_file_identity
 from omnigraph.bundles.manifest import Manifest, manifest_location, parse_manifest, read_manifest_bytes
 from omnigraph.bundles.members import check_member_format
 from omnigraph.bundles.onnx_graph import load_graph_structure, parse_graph_structure
@@ -71,19 +71,20 @@ def read_bundle_layout(path: str | os.PathLike[str]) -> BundleLayout:
     return BundleLayout(root, manifest_path, manifest_bytes, manifest, identity)
 
 
-def verify_bundle(path: str | os.PathLike[str], *, progress: bool = False) -> VerifiedBundle:
+def verify_bundle(path: str | os.PathLike[str], *, progress: ProgressFactory | None = None) -> VerifiedBundle:
     """Check a bundle folder (or its manifest.json) completely, or raise the BundleError that says why.
 
     In order: the manifest parses and follows the schema; the folder holds exactly the listed files,
     none reached through a link out of it; every file's sha256 matches; every member parses as its
     name says (bundles/members.py); every ONNX graph parses and its external-data references name
-    listed files. `progress`: a bar on stderr while a big file is hashed.
+    listed files. `progress` opens a display for each big file hashed (hashing.py).
     """
     return complete_verification(read_bundle_layout(path), {}, progress=progress)
 
 
 def complete_verification(
-    layout: BundleLayout, contents: Mapping[str, tuple[bytes, FileIdentity]], *, progress: bool = False
+    layout: BundleLayout, contents: Mapping[str, tuple[bytes, FileIdentity]], *,
+    progress: ProgressFactory | None = None,
 ) -> VerifiedBundle:
     """verify_bundle's checks of `layout`, hashing the members in `contents` (already read whole,
     with their identity when opened) from those bytes and the others from disk."""

@@ -13,8 +13,17 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from omnigraph.plugin.logs import LOG_FORMAT
+
+
+def _hashing_bar(path: Path, size: int) -> Any:
+    """A tqdm bar on stderr for one big file being hashed (bundles/hashing.py's ProgressFactory)."""
+    from tqdm import tqdm
+
+    return tqdm(total=size, desc=f"hashing {path.name}", unit="B", unit_scale=True, unit_divisor=1024,
+                file=sys.stderr, mininterval=0.25)
 
 
 def _bundle_pack(args: argparse.Namespace) -> int:
@@ -25,7 +34,7 @@ def _bundle_pack(args: argparse.Namespace) -> int:
         component=args.component,
         graph_file=args.graph,
         example_inputs_file=args.example_inputs,
-        progress=not args.quiet,
+        progress=None if args.quiet else _hashing_bar,
     )
     print(f"packed {bundle.manifest_path} (sha256 {bundle.manifest_sha256})")
     return 0
@@ -34,7 +43,7 @@ def _bundle_pack(args: argparse.Namespace) -> int:
 def _bundle_verify(args: argparse.Namespace) -> int:
     from omnigraph.bundles import verify_bundle
 
-    bundle = verify_bundle(Path(args.directory), progress=not args.quiet)
+    bundle = verify_bundle(Path(args.directory), progress=None if args.quiet else _hashing_bar)
     print(f"ok {bundle.manifest_path} ({len(bundle.manifest.files)} files, sha256 {bundle.manifest_sha256})")
     return 0
 

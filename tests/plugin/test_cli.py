@@ -76,3 +76,27 @@ def test_bundle_build_shows_its_phases_and_verify_its_answer(tmp_path):
     assert all(phase in built.stderr for phase in phases), built.stderr
     verified = _omnigraph("bundle", "verify", str(tmp_path / "bundle"))
     assert verified.returncode == 0 and verified.stdout.startswith("ok ")
+
+
+def test_bundle_verify_shows_a_bar_while_a_big_file_is_hashed_unless_quiet(tmp_path, monkeypatch, capsys):
+    import omnigraph.bundles.hashing as hashing
+    from omnigraph.bundles import pack_bundle
+    from omnigraph.plugin.cli import main
+
+    (tmp_path / "graph.onnx").write_bytes(_tiny_graph())
+    pack_bundle(tmp_path, component="test.identity")
+    monkeypatch.setattr(hashing, "PROGRESS_MIN_BYTES", 10)
+    assert main(["bundle", "verify", str(tmp_path)]) == 0
+    assert "hashing graph.onnx: 100%" in capsys.readouterr().err
+    assert main(["bundle", "verify", "--quiet", str(tmp_path)]) == 0
+    assert "hashing" not in capsys.readouterr().err
+
+
+def _tiny_graph() -> bytes:
+    import onnx
+    from onnx import TensorProto, helper
+
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    result = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "identity", [value], [result])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
