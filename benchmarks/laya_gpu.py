@@ -17,12 +17,16 @@ Cases (`--cases`), in the order they run:
                   graphs on: the same kernels in their FP16 instantiation (laya-cuda's precision).
   ort-bf16        the standard-op bf16 bundle (`bundle build --precision bf16`).
   ort-fp32        the standard-op fp32 bundle.
-Each `ort-*` case is timed twice:
+Each `ort-*` case is timed three ways:
   engine  a graph worker (`WorkerClient` on the route) running tensors that `LayaProcessor.prepare`
           made beforehand: the wire both ways plus the worker's ORT run (IOBinding on CUDA, CUDA
           graph replay where enabled); no tokenization, no decoding.
   e2e     `AsyncOmni` on a one-stage plan with the same route: `generate(request)` from the request
           dict to the finished answer (validation, tokenization, admission, worker, decoding).
+  http    `omnigraph serve --deploy-config` on that plan, in its own process on 127.0.0.1: a
+          `POST /v1/systemone` of the request's JSON over one keep-alive connection (the standard
+          library's http.client, the leanest client at hand), from the first byte sent to the
+          answer's JSON parsed.
 The worker route allows CPUExecutionProvider beside CUDA and refuses nothing on placement (rows
 report the real fraction of nodes on CUDA), unless `--strict-placement` asks for the deploy
 defaults (CUDA only, every node on it).
@@ -47,13 +51,18 @@ import asyncio
 import copy
 import datetime
 import gc
+import http.client
 import importlib.metadata
 import itertools
 import json
 import math
 import os
 import platform
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -79,6 +88,10 @@ TARGET_OVER_LAYA_CUDA = 1.0
 TARGET_MAX_DRIFT = 0.002
 DECISIVE_MARGIN = 0.01
 PRODUCT = "ort-fast-graph e2e"  # the configuration the targets are about
+# Issue 20's host-cost bounds (ms, at 64 tokens): AsyncOmni's cost over the engine's worker call, and
+# HTTP's over AsyncOmni, both p50 of the product's configuration measured in the same run.
+TARGET_E2E_OVER_ENGINE_MS = 0.150
+TARGET_HTTP_OVER_E2E_MS = 0.200
 
 CASES = ("laya", "laya-cuda", "ort-fast-graph", "ort-fast16-graph", "ort-fast", "ort-bf16", "ort-fp32")
 # ort case -> (bundle, enable_cuda_graph)
@@ -375,7 +388,14 @@ def case_laya_cuda(run: Run, checkpoint: Path, lengths: list[LengthRequests]) ->
 
 def ort_plan(run: Run, case: str, bundle: Path) -> DeployConfig:
     """The one-stage deploy plan of an ort case; its engine path runs that plan's worker route."""
-    from omnigraph.pipelines.deploy import GRAPH_BACKEND, validate_deploy_config
+    from omnigraph.pipelines.deploy import validate_deploy_config
+
+    return validate_deploy_config(ort_plan_fields(run, case, bundle))
+
+
+def ort_plan_fields(run: Run, case: str, bundle: Path) -> dict[str, Any]:
+    """ort_plan's deploy YAML fields (the http path writes them for `omnigraph serve`)."""
+    from omnigraph.pipelines.deploy import GRAPH_BACKEND
 
     _, cuda_graph = ORT_CASES[case]
     if run.args.device == "cpu":
@@ -388,21 +408,27 @@ def ort_plan(run: Run, case: str, bundle: Path) -> DeployConfig:
                      if run.args.strict_placement else
                      {"allowed_providers": ["CUDAExecutionProvider", "CPUExecutionProvider"],
                       "min_fraction_on_target": 0.0})
-    return validate_deploy_config({
+    return {
         "pipeline": "laya",
         "stages": [{"stage_id": 0,
                     "backend": {"name": GRAPH_BACKEND, "manifest": str(bundle), "route": route, **placement}}],
-    })
+    }
 
 
 def case_ort(run: Run, case: str, bundle: Path, lengths: list[LengthRequests]) -> None:
-    """One bundle on one route: engine-only through a graph worker, then end to end through AsyncOmni."""
+    """One bundle on one route: engine-only through a graph worker, end to end through AsyncOmni,
+    then over HTTP through `omnigraph serve`."""
     plan = ort_plan(run, case, bundle)
     failed = []
-    for path, measure in (("engine", _ort_engine), ("e2e", _ort_e2e)):
+    paths: tuple[tuple[str, Callable[[], None]], ...] = (
+        ("engine", lambda: _ort_engine(run, f"{case} engine", plan, lengths)),
+        ("e2e", lambda: _ort_e2e(run, f"{case} e2e", plan, lengths)),
+        ("http", lambda: _ort_http(run, f"{case} http", ort_plan_fields(run, case, bundle), lengths)),
+    )
+    for path, measure in paths:
         name = f"{case} {path}"
         try:
-            measure(run, name, plan, lengths)
+            measure()
             run.add(name, "status", "ok", "")
         except Exception as error:  # one path failing leaves the other to run
             failed.append(path)
@@ -472,6 +498,69 @@ def _ort_e2e(run: Run, name: str, plan: DeployConfig, lengths: list[LengthReques
         run.add_drift(name, asyncio.run(measure()))
     finally:
         omni.shutdown()
+
+
+def _ort_http(run: Run, name: str, plan: Mapping[str, Any], lengths: list[LengthRequests]) -> None:
+    import yaml
+
+    with tempfile.TemporaryDirectory(prefix="laya-gpu-http-") as folder:
+        config, log = Path(folder) / "deploy.yaml", Path(folder) / "serve.log"
+        config.write_text(yaml.safe_dump(dict(plan)))
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        command = [sys.executable, "-m", "omnigraph.plugin.cli", "serve", "--deploy-config", str(config),
+                   "--port", str(port)]
+        started = time.perf_counter()
+        with log.open("w") as log_file:
+            server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            connection = _await_ready(server, port, run.args.startup_timeout, log)
+            run.add(name, "load_s", round(time.perf_counter() - started, 3), "s")
+
+            def answer(request: dict) -> dict:
+                connection.request("POST", "/v1/systemone", body=json.dumps(request),
+                                   headers={"Content-Type": "application/json"})
+                response = connection.getresponse()
+                body = json.loads(response.read())
+                if response.status != 200:
+                    raise RuntimeError(f"POST /v1/systemone: {response.status} {body}")
+                return body
+
+            for requests in lengths:
+                samples = time_calls(lambda: answer(requests.timed), run.args.requests, run.args.warmup)
+                usage = answer(requests.timed)["usage"]
+                run.add_latency(name, requests, samples, usage_tokens=usage["input_tokens"])
+            run.add_drift(name, [answer(requests.drift) for requests in lengths])
+            connection.close()
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def _await_ready(server: subprocess.Popen, port: int, timeout: float, log: Path) -> http.client.HTTPConnection:
+    """A keep-alive connection to the server once its /ready answers 200 (within `timeout` s)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if server.poll() is not None:
+            raise RuntimeError(f"omnigraph serve exited with {server.returncode}: {log.read_text()[-2000:]}")
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        try:
+            connection.request("GET", "/ready")
+            response = connection.getresponse()
+            response.read()
+            if response.status == 200:
+                return connection
+        except OSError:
+            pass
+        connection.close()
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"omnigraph serve was not ready within {timeout} s: {log.read_text()[-2000:]}")
+        time.sleep(0.25)
 
 
 def _describe(error: BaseException) -> str:
@@ -547,6 +636,11 @@ def targets(rows: list[dict], identity: Mapping[str, Any]) -> list[dict]:
             add(f"{bar_name} p50 / {PRODUCT} p50 {'>' if strict else '>='} {goal}x", length,
                 None if mine is None else baseline / mine, goal, "x", lower_is_better=False, strict=strict,
                 detail=f"baseline {baseline} ms, {source}")
+    paths = [f"{PRODUCT.removesuffix(' e2e')} {path}" for path in ("engine", "e2e", "http")]
+    for (lower, upper), goal in zip(itertools.pairwise(paths), (TARGET_E2E_OVER_ENGINE_MS, TARGET_HTTP_OVER_E2E_MS)):
+        below, above = _p50(rows, lower).get(64), _p50(rows, upper).get(64)
+        add(f"{upper} p50 - {lower} p50 <= {goal} ms", 64, None if below is None or above is None else above - below,
+            goal, "ms", lower_is_better=True, detail="issue 20: the host's cost, both measured in this run")
     standard, fast = _p50(rows, "ort-bf16 engine").get(512), _p50(rows, "ort-fast engine").get(512)
     add(f"ort-bf16 engine p50 / ort-fast engine p50 >= {TARGET_FAST_OVER_STANDARD_AT_512}x", 512,
         None if standard is None or fast is None else standard / fast, TARGET_FAST_OVER_STANDARD_AT_512, "x",

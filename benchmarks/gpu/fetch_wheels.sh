@@ -12,12 +12,14 @@
 #                        --no-deps and h200_run.sh checks that it imports and runs
 #   pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions
 #                        the deploy-YAML schema (omnigraph.pipelines.deploy) that AsyncOmni builds
+#   fastapi, starlette, uvicorn, httptools
+#                        `omnigraph serve`, for laya_gpu.py's http path
+#   posix_ipc            the worker mailbox's doorbells: without it workers serve through the socket
 #   omnigraph (built from this tree)
 #                        only for its entry point (`omnigraph.pipelines` -> laya): the code itself
 #                        is imported from the working tree, which h200_run.sh puts first on PYTHONPATH
-# fastapi / uvicorn are not needed: the benchmark never imports the HTTP app.
 #
-# Every wheel counts toward the 64 MiB a device run carries (3.4 MiB in all); the script
+# Every wheel counts toward the 64 MiB a device run carries (4.3 MiB in all); the script
 # prints the total. Keep one version of each package in .whl: two stop the whole install there.
 set -euo pipefail
 
@@ -39,6 +41,11 @@ PACKAGES=(
   annotated-types==0.8.0
   typing-inspection==0.4.5
   typing-extensions==4.16.0
+  fastapi==0.136.3
+  starlette==1.10.0
+  uvicorn==0.55.0
+  httptools==0.9.0
+  posix_ipc==1.3.2
 )
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${PLATFORMS[@]}" -d "$DEST" "${PACKAGES[@]}"

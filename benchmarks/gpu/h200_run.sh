@@ -8,7 +8,7 @@
 #   bash benchmarks/gpu/h200_run.sh
 #
 # The device calls, back to back (the machine is given back after ~30 s idle), each within the
-# 64 MiB a call carries (tree ~1 MiB, .whl 3.4 MiB, ort-include 0.5 MiB, a part <= 63 MiB):
+# 64 MiB a call carries (tree ~1 MiB, .whl 4.3 MiB, ort-include 0.5 MiB, a part <= 63 MiB):
 #   run 1-3  carry [.gpu/ortgpu/pN, .gpu/join.sh]   command: bash .gpu/join.sh N
 #   run 4    carry [.gpu/ortgpu/p3, .gpu/join.sh]   command: bash .gpu/join.sh 3
 #   run 5    carry [.whl, .gpu/ort-include]        command: bash benchmarks/gpu/h200_run.sh
