@@ -21,6 +21,9 @@ Each `ort-*` case is timed three ways:
   engine  a graph worker (`WorkerClient` on the route) running tensors that `LayaProcessor.prepare`
           made beforehand: the wire both ways plus the worker's ORT run (IOBinding on CUDA, CUDA
           graph replay where enabled); no tokenization, no decoding.
+  loop    the engine path's calls sent from an asyncio event loop, the reply waking the loop itself
+          (the worker's socket in `loop.add_reader`, so the route has no mailbox): the floor of an
+          engine whose batch-1 call crosses no thread hand-off (issue 20), on the real model.
   e2e     `AsyncOmni` on a one-stage plan with the same route: `generate(request)` from the request
           dict to the finished answer (validation, tokenization, admission, worker, decoding).
   http    `omnigraph serve --deploy-config` on that plan, in its own process on 127.0.0.1: a
@@ -422,6 +425,7 @@ def case_ort(run: Run, case: str, bundle: Path, lengths: list[LengthRequests]) -
     failed = []
     paths: tuple[tuple[str, Callable[[], None]], ...] = (
         ("engine", lambda: _ort_engine(run, f"{case} engine", plan, lengths)),
+        ("loop", lambda: _ort_loop(run, f"{case} loop", plan, lengths)),
         ("e2e", lambda: _ort_e2e(run, f"{case} e2e", plan, lengths)),
         ("http", lambda: _ort_http(run, f"{case} http", ort_plan_fields(run, case, bundle), lengths)),
     )
@@ -472,6 +476,50 @@ def _ort_engine(run: Run, name: str, plan: DeployConfig, lengths: list[LengthReq
             prepared = processor.prepare(requests.drift)
             drift_answers.append(processor.finish(prepared, [forward(work) for work in prepared.calls]))
         run.add_drift(name, drift_answers)
+    finally:
+        client.close()
+
+
+def _ort_loop(run: Run, name: str, plan: DeployConfig, lengths: list[LengthRequests]) -> None:
+    from omnigraph.bundles import verify_bundle
+    from omnigraph.pipelines.laya.processor import LayaProcessor
+    from omnigraph.stages.graph_stage import worker_route
+    from omnigraph.workers.client import WorkerClient
+    from omnigraph.workers.route import WorkerRoute
+
+    (stage,) = plan.stages
+    verified = verify_bundle(stage.backend.manifest)
+    processor = LayaProcessor({0: verified})
+    route = WorkerRoute.from_dict({**worker_route(stage).to_dict(), "mailbox_bytes": 0})
+    client = WorkerClient.start(route, generation=1, startup_timeout=run.args.startup_timeout)
+    try:
+        client.load(verified.manifest_path, timeout=run.args.startup_timeout)
+        calls = itertools.count(1)
+
+        async def measure() -> None:
+            loop = asyncio.get_running_loop()
+            waiting: list[asyncio.Future] = []
+
+            def reply_ready() -> None:
+                outputs = client.result(time.monotonic())
+                if outputs is not None:
+                    waiting.pop().set_result(outputs)
+
+            async def forward(work: Mapping[str, Any]) -> dict:
+                waiting.append(loop.create_future())
+                client.submit(work, request_id=f"bench-{next(calls)}", stage_id=0, epoch=0)
+                return await waiting[0]
+
+            loop.add_reader(client._sock.fileno(), reply_ready)
+            try:
+                for requests in lengths:
+                    (work,) = processor.prepare(requests.timed).calls
+                    samples = await time_calls_async(lambda: forward(work), run.args.requests, run.args.warmup)
+                    run.add_latency(name, requests, samples)
+            finally:
+                loop.remove_reader(client._sock.fileno())
+
+        asyncio.run(measure())
     finally:
         client.close()
 
