@@ -30,7 +30,7 @@ import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -273,10 +273,13 @@ class WorkerClient:
         return outputs
 
     def submit(self, inputs: Mapping[str, np.ndarray], *, request_id: str, stage_id: int, epoch: int,
-               timeout: float | None = None) -> None:
+               timeout: float | None = None, via_socket: bool = False) -> None:
         """Send one forward call and return; ``result`` takes its reply. The call is in flight (a
         second one: WorkerBusy) until ``result`` returns outputs or raises. CallRefused: refused
-        before sending (the worker never saw it). ``timeout`` bounds the send alone."""
+        before sending (the worker never saw it). ``timeout`` bounds the send alone. With
+        ``via_socket`` the call, and so its reply, travels through the socket even where the mailbox
+        would carry it: an event loop can then wait for the reply on ``reply_fd`` and take it with
+        ``ready_result``."""
         guard = _OneCall(self)
         guard.__enter__()
         try:
@@ -285,7 +288,7 @@ class WorkerClient:
             self._set_timeout(None if timeout is None else time.monotonic() + timeout)
             try:
                 self._send("run", tensors=inputs, request_id=request_id, stage_id=stage_id, epoch=epoch,
-                           binary=self._binary_header)
+                           binary=self._binary_header, via_area=not via_socket)
             except TimeoutError:  # cut off mid-frame: the stream is lost
                 raise self._retire_silent("run", timeout) from None
             except (BrokenPipeError, ConnectionResetError):
@@ -295,16 +298,31 @@ class WorkerClient:
             raise
         self._awaiting = request_id
 
+    @property
+    def reply_fd(self) -> int:
+        """The descriptor that turns readable when a reply sent through the socket arrives (or the
+        worker hangs up): what an event loop watches for a call submitted ``via_socket``."""
+        return self._sock.fileno()
+
     def result(self, until: float | None) -> dict[str, np.ndarray] | None:
         """The reply to the call ``submit`` sent, or None when none came by ``until``
         (time.monotonic; None waits for it): nothing is consumed then, the call is still in flight
         and ``result`` may be asked again. A reply below the fenced epoch raises StaleEpoch: the
         call is over, its outputs discarded, and the worker serves on."""
+        return self._take_reply(self._receive, until)
+
+    def ready_result(self) -> dict[str, np.ndarray] | None:
+        """``result`` that never waits: the reply if it is here, else None. For an event loop's
+        reader on ``reply_fd``: a worker that hung up raises WorkerDied here."""
+        return self._take_reply(self._receive_ready, None)
+
+    def _take_reply(self, receive: Callable[[float | None], tuple[wire.Frame, dict[str, np.ndarray]] | None],
+                    until: float | None) -> dict[str, np.ndarray] | None:
         request_id = self._awaiting
         if request_id is None:
-            raise RuntimeError("result() without a call in flight: submit() one first")
+            raise RuntimeError("no call in flight: submit() one first")
         try:
-            received = self._receive(until)
+            received = receive(until)
             if received is None:
                 return None
             frame, arrays = received
@@ -343,7 +361,7 @@ class WorkerClient:
 
     def _send(self, msg_type: str, *, request_id: str = "", stage_id: int = 0, epoch: int | None = None,
               body: Mapping[str, Any] | None = None, tensors: Mapping[str, np.ndarray] | None = None,
-              binary: bool = False) -> None:
+              binary: bool = False, via_area: bool = True) -> None:
         with self._send_lock:
             if epoch is None:
                 epoch = max(self._min_epoch, self._sent_epoch)
@@ -351,7 +369,7 @@ class WorkerClient:
                 send_message(
                     self._sock, self._mailbox, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch,
                     generation=self.generation, instance=self.hello.instance, body=body, tensors=tensors,
-                    max_payload_bytes=self.route.max_io_bytes, binary=binary,
+                    max_payload_bytes=self.route.max_io_bytes, binary=binary, via_area=via_area,
                 )
             except wire.WireError as exc:  # the encoder refuses before sending: the stream is untouched
                 raise CallRefused(exc.code, str(exc)) from None
@@ -394,17 +412,39 @@ class WorkerClient:
         socket; None when nothing arrived by ``until`` (nothing is consumed then). A message once
         begun must arrive whole within FRAME_READ_TIMEOUT_S, or the worker is retired."""
         mailbox = self._mailbox
+        if mailbox is None:
+            self._wait_for_reply()
+            if not self._readable.poll(_poll_ms(until)):
+                return None
+            return self._read_socket_message()
         try:
-            if mailbox is None:
-                self._wait_for_reply()
-                if not self._readable.poll(_poll_ms(until)):
-                    return None
-            else:
-                length = mailbox.receive(self.route.spin_wait_us, until, self._sock)
-                if length is None:
-                    return None
-                if length:
-                    return wire.read_binary_frame(mailbox.inbox, length, max_payload_bytes=self.route.max_io_bytes)
+            length = mailbox.receive(self.route.spin_wait_us, until, self._sock)
+        except wire.PeerClosed:
+            raise self._died("a call") from None
+        if length is None:
+            return None
+        return self._read_area_message(length) if length else self._read_socket_message()
+
+    def _receive_ready(self, _until: float | None) -> tuple[wire.Frame, dict[str, np.ndarray]] | None:
+        """``_receive`` without waiting: the message if it is posted (or on the socket) now."""
+        mailbox = self._mailbox
+        if mailbox is not None:
+            length = mailbox.take_post()
+            if length:
+                return self._read_area_message(length)
+            if length is None and not self._readable.poll(0):
+                return None
+            # posted on the socket, or readable with nothing posted: the worker hung up (EOF)
+        elif not self._readable.poll(0):
+            return None
+        return self._read_socket_message()
+
+    def _read_area_message(self, length: int) -> tuple[wire.Frame, dict[str, np.ndarray]]:
+        assert self._mailbox is not None
+        return wire.read_binary_frame(self._mailbox.inbox, length, max_payload_bytes=self.route.max_io_bytes)
+
+    def _read_socket_message(self) -> tuple[wire.Frame, dict[str, np.ndarray]]:
+        try:
             self._set_timeout(time.monotonic() + FRAME_READ_TIMEOUT_S)
             frame = wire.read_frame(self._sock, max_payload_bytes=self.route.max_io_bytes)
             return frame, wire.read_payload(self._sock, frame)

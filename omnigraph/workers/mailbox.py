@@ -6,7 +6,9 @@ polling processes, and a sleeping thread takes 100-300 us to wake; a POSIX semap
 taken without sleeping costs under 1 us and no system call (``benchmarks/wire.py``, which also
 says where this pays: the results in benchmarks/results/wire-*.md). The frames themselves are
 unchanged: a frame that fits is written here byte for byte as it would go through the socket, and
-read back with the socket path's checks (wire.write_binary_frame / wire.read_binary_frame).
+read back with the socket path's checks (wire.write_binary_frame / wire.read_binary_frame). A
+controller may send a run through the socket instead (an event loop waiting for the reply can wait
+on a socket, not on a semaphore); the worker answers a run the way it came.
 
 The region is an anonymous memory file (``memfd_create``) the controller creates before it starts
 the worker, which inherits the descriptor (``--mailbox-fd``) and maps it shared, as three mappings
@@ -246,6 +248,18 @@ class Mailbox:
                 bell.acquire(0)  # this side is the only one that takes: the post is there
         else:
             bell.acquire(0)
+        return self._where_taken()
+
+    def take_post(self) -> int | None:
+        """`receive` without waiting: where the posted message is (the inbox frame's length, or 0
+        for the socket), or None when nothing is posted. What an event loop's reader calls once the
+        socket is readable: a message sent through the socket is posted before it is sent."""
+        if not self._bell.value:
+            return None
+        self._bell.acquire(0)
+        return self._where_taken()
+
+    def _where_taken(self) -> int:
         self._taken += 1
         number, length = _SLOT.unpack_from(self._control, self._in_slot)
         return length if number == self._taken else 0
@@ -295,13 +309,15 @@ def _release(to_worker: Any, to_controller: Any, names: list[str]) -> None:
 
 def send_message(sock: socket.socket, mailbox: Mailbox | None, msg_type: str, *, request_id: str, stage_id: int,
                  epoch: int, generation: int, instance: str, body: Mapping[str, Any] | None,
-                 tensors: Mapping[str, Any] | None, max_payload_bytes: int, binary: bool) -> None:
+                 tensors: Mapping[str, Any] | None, max_payload_bytes: int, binary: bool,
+                 via_area: bool = True) -> None:
     """Send one message the way the peer reads it: a binary run or result that fits the mailbox
-    through the mailbox, anything else through the socket (wire.encode_frame); with a mailbox,
-    announced either way, before the socket send so that the peer reads while a large frame goes
-    out. Refuses (a WireError, before anything is written or sent) what the receiver would refuse.
-    The caller serialises its sends."""
-    if mailbox is not None and binary and not body and msg_type in wire.BINARY_MESSAGE_TYPES:
+    through the mailbox (unless `via_area` is False), anything else through the socket
+    (wire.encode_frame); with a mailbox, announced either way, before the socket send so that the
+    peer reads while a large frame goes out, and so that a socket reply's post is there once the
+    socket is readable (Mailbox.take_post). Refuses (a WireError, before anything is written or
+    sent) what the receiver would refuse. The caller serialises its sends."""
+    if via_area and mailbox is not None and binary and not body and msg_type in wire.BINARY_MESSAGE_TYPES:
         length = wire.write_binary_frame(
             mailbox.outbox, msg_type, request_id=request_id, stage_id=stage_id, epoch=epoch, generation=generation,
             instance=instance, tensors=tensors or {}, max_payload_bytes=max_payload_bytes,

@@ -140,7 +140,7 @@ class GraphWorker:
         if frame.type == "close":
             self._send("closing", frame)
             return EXIT_OK
-        self._dispatch(frame, arrays)
+        self._dispatch(frame, arrays, via_area=False)
         return None
 
     def _serve_mailbox_frame(self, mailbox: Mailbox, length: int) -> None:
@@ -160,7 +160,7 @@ class GraphWorker:
             self._counters["refused_frames"] += 1
             self._send_error(frame, exc.code, str(exc))
             return
-        self._dispatch(frame, arrays)
+        self._dispatch(frame, arrays, via_area=True)
 
     def _check_fresh(self, frame: wire.Frame) -> None:
         if frame.generation != self._generation:
@@ -173,10 +173,12 @@ class GraphWorker:
             raise wire.StaleEpoch(f"message epoch {frame.epoch} is below the fenced epoch {self._max_epoch}")
         self._max_epoch = frame.epoch
 
-    def _dispatch(self, frame: wire.Frame, arrays: dict[str, np.ndarray]) -> None:
+    def _dispatch(self, frame: wire.Frame, arrays: dict[str, np.ndarray], *, via_area: bool) -> None:
+        """Answer one message; a result goes back the way its run came (`via_area`: through the
+        mailbox's area where it fits), so a controller waiting on the socket is woken by it."""
         try:
             if frame.type == "run":
-                self._run(frame, arrays)
+                self._run(frame, arrays, via_area)
             elif frame.type == "load":
                 self._load(frame)
             elif frame.type == "stats":
@@ -189,7 +191,7 @@ class GraphWorker:
         except RemoteError as exc:
             self._send_error(frame, exc.code, exc.message)
 
-    def _run(self, frame: wire.Frame, arrays: dict[str, np.ndarray]) -> None:
+    def _run(self, frame: wire.Frame, arrays: dict[str, np.ndarray], via_area: bool) -> None:
         if self._session is None:
             raise RemoteError("not_loaded", "run before a bundle was loaded")
         self._counters["runs"] += 1
@@ -199,7 +201,7 @@ class GraphWorker:
             self._counters["failed_runs" if exc.code == "run_failed" else "refused_runs"] += 1
             raise
         try:
-            self._send("result", frame, tensors=outputs)
+            self._send("result", frame, tensors=outputs, via_area=via_area)
         except wire.WireError as exc:  # refused before anything was sent (e.g. too large): the stream is intact
             self._counters["failed_runs"] += 1
             self._send_error(frame, "outputs_not_sent", f"{exc.code}: {exc}")
@@ -226,10 +228,10 @@ class GraphWorker:
         self._send("error", frame, body={"code": code, "message": message, **extra})
 
     def _send(self, msg_type: str, answering: wire.Frame | None = None, *, body: Mapping[str, Any] | None = None,
-              tensors: Mapping[str, np.ndarray] | None = None) -> None:
+              tensors: Mapping[str, np.ndarray] | None = None, via_area: bool = True) -> None:
         """Send one message (mailbox.send_message), as the answer to ``answering`` (its request id,
         stage, epoch and kind of header) or on its own: once the hello is out, through the mailbox
-        where it fits, and announced on the controller's doorbell either way."""
+        where it fits (and `via_area`), and announced on the controller's doorbell either way."""
         if answering is None:
             request_id, stage_id, epoch, binary = "", 0, 0, False
         else:
@@ -238,7 +240,7 @@ class GraphWorker:
         send_message(
             self._sock, self._mailbox if self._announcing else None, msg_type, request_id=request_id,
             stage_id=stage_id, epoch=epoch, generation=self._generation, instance=self._instance, body=body,
-            tensors=tensors, max_payload_bytes=self._route.max_io_bytes, binary=binary,
+            tensors=tensors, max_payload_bytes=self._route.max_io_bytes, binary=binary, via_area=via_area,
         )
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import socket
+import threading
 import time
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 
 from omnigraph.workers import mailbox as mailbox_module
 from omnigraph.workers import wire
-from omnigraph.workers.errors import RemoteError
+from omnigraph.workers.errors import RemoteError, WorkerDied
 from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable
 
 from .conftest import affine_inputs
@@ -204,3 +206,50 @@ def test_close_lets_the_mailbox_go(start_worker, affine_bundle):
     client.load(affine_bundle.manifest_path)
     client.run(affine_inputs(1, 4), request_id="r", stage_id=0, epoch=0)
     assert client.close() == 0 and client._mailbox is None
+
+
+def _reply_on_the_loop(client, inputs, request_id):
+    """Submit `via_socket` and take the reply in an event loop's reader on `reply_fd`."""
+    async def call():
+        loop = asyncio.get_running_loop()
+        reply = loop.create_future()
+
+        def readable():
+            try:
+                outputs = client.ready_result()
+            except BaseException as exc:
+                reply.set_exception(exc)
+            else:
+                if outputs is not None:
+                    reply.set_result(outputs)
+
+        client.submit(inputs, request_id=request_id, stage_id=0, epoch=0, via_socket=True)
+        loop.add_reader(client.reply_fd, readable)
+        try:
+            return await asyncio.wait_for(reply, 30)
+        finally:
+            loop.remove_reader(client.reply_fd)
+
+    return asyncio.run(call())
+
+
+@pytest.mark.parametrize("mailbox_bytes", [4096, 0])
+def test_a_call_sent_through_the_socket_is_answered_there_for_an_event_loop(start_worker, affine_bundle, cpu_route,
+                                                                         mailbox_bytes):
+    client = start_worker(dataclasses.replace(cpu_route, mailbox_bytes=mailbox_bytes))
+    client.load(affine_bundle.manifest_path)
+    inputs = affine_inputs(2, 4)
+    for request_id in ("loop-1", "loop-2"):
+        got = _reply_on_the_loop(client, inputs, request_id)
+        np.testing.assert_array_equal(got["y"], np.maximum(inputs["x"], 0) * 2 - 1)
+    # the doorbell stayed in step: calls through the mailbox and the blocking wait work after it
+    assert client.run(inputs, request_id="thread", stage_id=0, epoch=0)["y"].shape == (2, 4)
+    assert client.stats()["runs"] == 3
+
+
+def test_an_event_loop_waiting_on_a_worker_that_dies_gets_worker_died(start_worker, slow_bundle):
+    client = start_worker()
+    client.load(slow_bundle.manifest_path)
+    threading.Timer(0.3, client.kill).start()  # the slow graph runs for seconds at 4096 rows
+    with pytest.raises(WorkerDied):
+        _reply_on_the_loop(client, {"x": np.ones((4096, 1024), np.float32)}, "dies")
