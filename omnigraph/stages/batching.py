@@ -250,10 +250,17 @@ class StageQueue:
         self._entries: deque[Queued | Stop] = deque()
         self._ready = threading.Condition(threading.Lock())
 
-    def put(self, item: Any) -> None:
+    def entry(self, item: Any) -> Queued:
+        """`item` as this queue holds it (what `put` queues and a call is made of)."""
         # the group only decides merging: a stage that never merges skips it
         group = self.adapter.group(item.tensors) if self.limits.max_rows > 1 else None
-        entry = Queued(item, group, self.adapter.footprint(item.tensors))
+        return Queued(item, group, self.adapter.footprint(item.tensors))
+
+    def is_empty(self) -> bool:
+        return not self._entries
+
+    def put(self, item: Any) -> None:
+        entry = self.entry(item)
         with self._ready:
             self._entries.append(entry)
             self._ready.notify_all()

@@ -24,10 +24,11 @@ again item by item, so only the faulty request fails and the worker keeps servin
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -116,6 +117,10 @@ class GraphReplica:
         self.restarts = restarts
         self._ledger = ledger
         self._lock = threading.Lock()
+        # Held by whichever drives a call: the replica's thread, or an event loop (`call_from_loop`).
+        self._driver = threading.Lock()
+        self._stopping = False  # set at shutdown: a thread waiting for the driver gives up
+        self._loop_reply: _LoopReply | None = None  # the loop-driven call in flight
         self._current: Sequence[WorkItem] = ()
         self._epoch = 0  # the epoch of this replica's calls: raised by every fence
         self.fenced_calls = 0
@@ -180,12 +185,14 @@ class GraphReplica:
             if self.retired_reason is not None:
                 return
             self.retired_reason = reason
+        self.stage.queue.wake_all()  # its thread, idle while an event loop drove the call, stops
         self._settle_retirement(failed, error)
 
     def kill_if_busy(self) -> None:
-        """At shutdown: a call in flight is not waited for; its worker is killed (the replica
-        thread then retires it, and a closing stage replaces nothing)."""
+        """At shutdown: a call in flight is not waited for; its worker is killed (its driver then
+        retires it, and a closing stage replaces nothing)."""
         with self._lock:
+            self._stopping = True
             if self._current:
                 self.client.kill()
 
@@ -242,72 +249,133 @@ class GraphReplica:
             if batch is STOP:
                 return
             self.stage.batch_stats.record_waits([entry.waited_s for entry in batch])
-            entries = self._admit(batch)
-            if entries and not self._call(entries):
+            if not self._take_driver(batch):
                 return
+            try:
+                entries = self._admit(batch)
+                if entries and not self._call(entries):
+                    return
+            finally:
+                self._driver.release()
+
+    def _take_driver(self, batch: list[Queued]) -> bool:
+        """Wait while an event loop drives a call on this worker; False (the batch requeued) once
+        the replica retired or the stage stops meanwhile. A loop that stopped running with its call
+        in flight (its program's `asyncio.run` ended) never takes the reply: this thread takes the
+        call over, waits for it as its own, and so holds the driver."""
+        while not self._driver.acquire(timeout=CALL_POLL_S):
+            if self._retired() or self._stopping:
+                self.stage.requeue(batch)
+                return False
+            waiting = self._loop_reply
+            if waiting is not None and not waiting.loop.is_running() and waiting.take_over():
+                if not self._finish_call(waiting.call):
+                    self.stage.requeue(batch)
+                    return False
+                return True
+        return True
 
     @staticmethod
     def _admit(batch: list[Queued]) -> list[Queued]:
         """The batch's entries still worth a call (a request may end while the batch forms)."""
         return [entry for entry in batch if entry.item.is_live()]
 
-    def _call(self, entries: list[Queued]) -> bool:
-        """One worker call for `entries`; False once the replica retired. A merged call the worker
-        refuses for a request-level fault is run again item by item, so only the faulty request fails."""
+    # -- one call, shared by both drivers ----------------------------------------------------------
+
+    def _open_call(self, entries: list[Queued]) -> _Call | None:
+        """Pack `entries` and mark the call in flight; None when there is nothing to send: the
+        items did not fit their adapter (they failed), or the replica retired (they went back to
+        the stage's queue; `serving` says which)."""
         items: list[WorkItem] = [entry.item for entry in entries]
-        adapter = self.stage.queue.adapter
         tensors = [item.tensors for item in items]
-        first = items[0]
-        call_id = first.request_id if len(items) == 1 else f"{first.request_id}+{len(items) - 1}"
+        adapter = self.stage.queue.adapter
         try:
             inputs = adapter.pack(tensors)
         except Exception as exc:  # the items do not fit their adapter: they fail, the worker never saw them
             for item in items:
                 item.fail(exc)
-            return True
+            return None
         with self._lock:
             if self.retired_reason is not None:  # the worker died while idle: the work goes back
                 self.stage.requeue(entries)
-                return False
+                return None
             self._current = items
         for item in items:
             item.dispatched()
         self.stage.batch_stats.record_call(adapter.padded(combined(entries)), len({item.request_id for item in items}))
-        started = time.perf_counter()
-        try:
-            self.client.submit(inputs, request_id=call_id[:256], stage_id=self.stage.stage_id, epoch=self._epoch,
-                               timeout=self.hang_grace_s)
-            outputs = self._await_reply(items, call_id)
-        except BaseException as exc:  # every failure is routed: to the requests, and maybe retirement
-            self._end_call()
-            if _request_level(exc):
-                if len(entries) > 1:
-                    return self._call_each(entries)
-                first.fail(exc)
-                return True
-            error = StageUnavailable(f"stage {self.stage.stage_id} replica {self.replica} failed during request "
-                                     f"{call_id}: {type(exc).__name__}: {exc}")
-            error.__cause__ = exc
-            self.retire(f"{type(exc).__name__}: {exc}", failed=items, error=error)
-            return False
-        seconds = time.perf_counter() - started
+        first = items[0]
+        call_id = first.request_id if len(items) == 1 else f"{first.request_id}+{len(items) - 1}"
+        return _Call(entries, items, tensors, inputs, call_id[:256])
+
+    def _close_call(self, call: _Call, outputs: dict[str, np.ndarray] | None) -> None:
+        """The reply is in (None: fenced, discarded): nothing is in flight; the live items complete."""
+        seconds = time.perf_counter() - call.started
         self._end_call()
         self.calls += 1
-        self.items += len(items)
+        self.items += len(call.items)
         if outputs is None:  # fenced: every request of the call was gone; the worker serves on
-            return True
+            return
         try:
-            shares = adapter.unpack(outputs, tensors)
+            shares = self.stage.queue.adapter.unpack(outputs, call.tensors)
         except Exception as exc:  # the graph's outputs do not fit its adapter: every item fails, the worker is fine
-            for item in items:
+            for item in call.items:
                 item.fail(exc)
-            return True
-        for item, share in zip(items, shares):
+            return
+        for item, share in zip(call.items, shares):
             if item.is_live():
                 item.complete(share, seconds)
+
+    def _call_failed(self, call: _Call, exc: BaseException) -> bool:
+        """Route a failed call's error: to its requests, and maybe retirement. False once the
+        replica retired. A merged call refused for a request-level fault runs item by item."""
+        self._end_call()
+        if _request_level(exc):
+            if len(call.entries) > 1:
+                return self._call_each(call.entries)
+            call.items[0].fail(exc)
+            return True
+        error = StageUnavailable(f"stage {self.stage.stage_id} replica {self.replica} failed during request "
+                                 f"{call.call_id}: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        self.retire(f"{type(exc).__name__}: {exc}", failed=call.items, error=error)
+        return False
+
+    def _fence(self, items: Sequence[WorkItem]) -> list[Callable[[], None]]:
+        """No request of the call is live: raise the epoch (the late reply will be discarded) and
+        keep the call's admission slots until it ends; returns what gives them back."""
+        self._epoch += 1
+        self.client.fence(self._epoch)
+        self.fenced_calls += 1
+        return [item.keep_admission() for item in {item.request_id: item for item in items}.values()]
+
+    def _hung(self, call_id: str) -> WorkerTimeout:
+        return WorkerTimeout(f"worker {self.client.pid}: call {call_id} not answered within {self.hang_grace_s:g} s "
+                             "after it was fenced; the worker is hung")
+
+    # -- the replica's thread drives a call --------------------------------------------------------
+
+    def _call(self, entries: list[Queued]) -> bool:
+        """One worker call for `entries`, waited for on this thread; False once the replica retired."""
+        call = self._open_call(entries)
+        if call is None:
+            return self.serving
+        try:
+            self.client.submit(call.inputs, request_id=call.call_id, stage_id=self.stage.stage_id, epoch=self._epoch,
+                               timeout=self.hang_grace_s)
+        except BaseException as exc:  # every failure is routed: to the requests, and maybe retirement
+            return self._call_failed(call, exc)
+        return self._finish_call(call)
+
+    def _finish_call(self, call: _Call) -> bool:
+        """Wait for a sent call's reply on this thread and route it; False once the replica retired."""
+        try:
+            outputs = self._await_reply(call)
+        except BaseException as exc:
+            return self._call_failed(call, exc)
+        self._close_call(call, outputs)
         return True
 
-    def _await_reply(self, items: Sequence[WorkItem], call_id: str) -> dict[str, np.ndarray] | None:
+    def _await_reply(self, call: _Call) -> dict[str, np.ndarray] | None:
         """The call's outputs, or None once the call was fenced and its late reply discarded.
 
         While waiting: once no request of the call is live (cancelled, failed, past its deadline),
@@ -325,15 +393,11 @@ class GraphReplica:
                 if outputs is not None:
                     return outputs if hang_at is None else None
                 now = time.monotonic()
-                if hang_at is None and not any(item.is_live() for item in items):
-                    self._epoch += 1
-                    client.fence(self._epoch)
-                    self.fenced_calls += 1
-                    kept = [item.keep_admission() for item in {item.request_id: item for item in items}.values()]
+                if hang_at is None and not any(item.is_live() for item in call.items):
+                    kept = self._fence(call.items)
                     hang_at = now + self.hang_grace_s
                 elif hang_at is not None and now >= hang_at:
-                    raise WorkerTimeout(f"worker {client.pid}: call {call_id} not answered within "
-                                        f"{self.hang_grace_s:g} s after it was fenced; the worker is hung")
+                    raise self._hung(call.call_id)
         finally:
             for release in kept:
                 release()
@@ -355,6 +419,159 @@ class GraphReplica:
         """The call is over: nothing is in flight."""
         with self._lock:
             self._current = ()
+
+    # -- an event loop drives a call (the batch-1 path: no thread hand-off) ------------------------
+
+    def claim(self) -> bool:
+        """Take this replica for one call driven from an event loop: False while a call is in
+        flight (or its thread is about to make one) or once it retired."""
+        if not self._driver.acquire(blocking=False):
+            return False
+        if self.retired_reason is not None or self._stopping:
+            self._driver.release()
+            return False
+        return True
+
+    def call_from_loop(self, entry: Queued, loop: asyncio.AbstractEventLoop) -> None:
+        """With the replica claimed: one call for `entry` sent from `loop` (running on this
+        thread), whose reply wakes the loop itself (the worker's socket in `loop.add_reader`) and
+        is completed there, so the request crosses no thread. The reply handling is the thread's
+        (`_close_call`, `_call_failed`), and so are the fence and the hang deadline (`_LoopReply`)."""
+        call = self._open_call([entry])
+        if call is None:
+            self._driver.release()
+            return
+        try:
+            self.client.submit(call.inputs, request_id=call.call_id, stage_id=self.stage.stage_id, epoch=self._epoch,
+                               timeout=self.hang_grace_s, via_socket=True)
+        except BaseException as exc:
+            self.loop_call_failed(call, exc)
+            return
+        self._loop_reply = _LoopReply(self, call, loop)
+
+    def loop_call_ended(self, call: _Call, outputs: dict[str, np.ndarray] | None) -> None:
+        self._loop_reply = None
+        try:
+            self._close_call(call, outputs)
+        finally:
+            self._driver.release()
+
+    def loop_call_failed(self, call: _Call, exc: BaseException) -> None:
+        """A loop-driven call failed: a request-level fault fails its request here; anything else
+        retires the worker on a thread of its own (retirement waits for the process to exit)."""
+        self._loop_reply = None
+        if _request_level(exc):
+            try:
+                self._call_failed(call, exc)
+            finally:
+                self._driver.release()
+            return
+
+        def retire() -> None:
+            try:
+                self._call_failed(call, exc)
+            finally:
+                self._driver.release()
+
+        threading.Thread(target=retire, name=f"omnigraph-stage{self.stage.stage_id}-retire{self.replica}",
+                         daemon=True).start()
+
+
+class _Call:
+    """One worker call in flight: its queue entries and their items, the items' tensors, the
+    packed inputs, its id and when it started."""
+
+    __slots__ = ("entries", "items", "tensors", "inputs", "call_id", "started")
+
+    def __init__(self, entries: list[Queued], items: list[WorkItem], tensors: list[Mapping[str, np.ndarray]],
+                 inputs: dict[str, np.ndarray], call_id: str) -> None:
+        self.entries = entries
+        self.items = items
+        self.tensors = tensors
+        self.inputs = inputs
+        self.call_id = call_id
+        self.started = time.perf_counter()
+
+
+class _LoopReply:
+    """Waits, on an event loop, for the reply of a call that loop sent: the loop's reader on the
+    worker's socket takes it; a timer every CALL_POLL_S does what `_await_reply` does between its
+    polls (fence the call once none of its requests is live; a worker silent `hang_grace_s` after
+    that is hung)."""
+
+    def __init__(self, replica: GraphReplica, call: _Call, loop: asyncio.AbstractEventLoop) -> None:
+        self._replica = replica
+        self.call = call
+        self.loop = loop
+        self._fd = replica.client.reply_fd
+        self._hang_at: float | None = None
+        self._kept: list[Callable[[], None]] = []
+        self._ended = False  # by the loop, or taken over by the replica's thread
+        self._end_lock = threading.Lock()
+        loop.add_reader(self._fd, self._readable)
+        self._timer = loop.call_later(CALL_POLL_S, self._check)
+
+    def take_over(self) -> bool:
+        """From the replica's thread once the loop stopped running: the call is the thread's from
+        now on (False if the loop ended it after all)."""
+        if not self._end_once():
+            return False
+        self._replica._loop_reply = None
+        return True
+
+    def _end_once(self) -> bool:
+        """Stop waiting on the loop; True for the first caller only."""
+        with self._end_lock:
+            if self._ended:
+                return False
+            self._ended = True
+        try:
+            self.loop.remove_reader(self._fd)
+            self._timer.cancel()
+        except Exception:  # a loop closed meanwhile has nothing left to remove
+            pass
+        for release in self._kept:
+            release()
+        return True
+
+    def _readable(self) -> None:
+        try:
+            outputs = self._replica.client.ready_result()
+        except StaleEpoch:
+            if self._end_once():
+                self._replica.loop_call_ended(self.call, None)
+            return
+        except BaseException as exc:
+            if self._end_once():
+                self._replica.loop_call_failed(self.call, exc)
+            return
+        if outputs is not None and self._end_once():
+            self._replica.loop_call_ended(self.call, outputs if self._hang_at is None else None)
+
+    def _check(self) -> None:
+        now = time.monotonic()
+        try:
+            if self._hang_at is None and not any(item.is_live() for item in self.call.items):
+                self._kept = self._replica._fence(self.call.items)
+                self._hang_at = now + self._replica.hang_grace_s
+            elif self._hang_at is not None and now >= self._hang_at:
+                raise self._replica._hung(self.call.call_id)
+        except BaseException as exc:  # a hung worker, or one that died under the fence
+            if self._end_once():
+                self._replica.loop_call_failed(self.call, exc)
+            return
+        self._timer = self.loop.call_later(CALL_POLL_S, self._check)
+
+
+def _running_loop_of(item: WorkItem) -> asyncio.AbstractEventLoop | None:
+    """The item's event loop when this thread is running it, else None."""
+    loop = item.loop
+    if loop is None:
+        return None
+    try:
+        return loop if asyncio.get_running_loop() is loop else None
+    except RuntimeError:  # no loop runs on this thread
+        return None
 
 
 def worker_route(stage: StageDeployConfig) -> WorkerRoute:
@@ -465,11 +682,31 @@ class GraphStage:
         if self.monitor is not None:
             self.monitor.watch_exit(replica.client.pid, lambda: self.worker_exited(replica))
 
-    def submit(self, item: Any) -> None:
-        """Queue a work item for the next free replica; fails fast while no replica is live."""
+    def submit(self, item: WorkItem) -> None:
+        """Queue a work item for the next free replica; fails fast while no replica is live.
+
+        The batch-1 path: an item submitted on the event loop its request finishes on, with
+        nothing queued and no batch-mate to wait for, is called from that loop on an idle replica
+        (`GraphReplica.call_from_loop`), so neither its call nor its reply crosses a thread."""
+        loop = _running_loop_of(item)
         with self._lock:
             self._check_live_locked()
-            self.queue.put(item)
+            replica = self._claim_for_loop_locked() if loop is not None else None
+            if replica is None:
+                self.queue.put(item)
+                return
+        replica.call_from_loop(self.queue.entry(item), loop)  # type: ignore[arg-type]  # not None with a replica
+
+    def _claim_for_loop_locked(self) -> GraphReplica | None:
+        """An idle replica claimed for a loop-driven call, when one may be made now: nothing is
+        queued, and the stage merges no calls or no other request is admitted (under load the
+        replicas' threads batch)."""
+        queue = self.queue
+        if not queue.is_empty():
+            return None
+        if queue.limits.max_rows > 1 and (queue.admitted_requests is None or queue.admitted_requests() > 1):
+            return None
+        return next((replica for replica in self.replicas if replica.claim()), None)
 
     def requeue(self, entries: Sequence[Queued]) -> None:
         """Entries a retired replica took but never called: to the next live replica, or failed."""

@@ -59,6 +59,11 @@ class _WorkItem:
         self.tensors = tensors
         self.request_id = request.request_id
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        done = self.request.done
+        return done.get_loop() if isinstance(done, asyncio.Future) else None
+
     def is_live(self) -> bool:
         return self.request.live
 

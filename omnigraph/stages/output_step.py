@@ -7,8 +7,8 @@ SUCCEEDED, or FAILED) and sets the request's `done` future. Two places it can ru
 - `LoopOutputStep`: on the event loop of an async caller. Replica threads post to it; the first
   request of a burst schedules one drain and the rest join it, so the requests of one batched call
   cost a single `call_soon_threadsafe` (one wake-up of the loop) and the replica thread is free
-  for its next call at once. A post from the loop itself (a failure at admission, an abort) joins
-  the same drain.
+  for its next call at once. A post from the loop itself (a loop-driven call's reply, a failure at
+  admission, an abort) joins the same drain, scheduled without a wake-up.
 - `InlineOutputStep`: on whichever thread got there (a replica thread, for the blocking front and
   the startup warm-up), which then sets a `concurrent.futures.Future`.
 """
@@ -36,6 +36,13 @@ def _settle(request: RequestState) -> None:
         done.set_result(request.result)
     else:
         done.set_exception(request.error)
+
+
+def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:  # no loop runs on this thread
+        return False
 
 
 class InlineOutputStep:
@@ -71,7 +78,10 @@ class LoopOutputStep:
             if len(self._pending) > 1:  # a drain is already scheduled
                 return
         try:
-            self.loop.call_soon_threadsafe(self._drain)
+            if _running_on(self.loop):  # a loop-driven call's reply, an abort: no wake-up to write
+                self.loop.call_soon(self._drain)
+            else:
+                self.loop.call_soon_threadsafe(self._drain)
         except RuntimeError:  # the loop was closed under its callers: no one waits for the answer
             pass
 

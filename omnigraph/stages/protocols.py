@@ -6,6 +6,7 @@ runtime's business when it builds the chain, nobody else's."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +30,12 @@ class WorkItem(Protocol):
 
     request_id: str
     tensors: Mapping[str, np.ndarray]
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop its request finishes on (None: a blocking caller's request). A stage may
+        run the item's call from that loop when it is submitted there (graph_stage.py)."""
+        ...
 
     def is_live(self) -> bool:
         """Whether its request still wants it (not failed, cancelled or past its deadline)."""
