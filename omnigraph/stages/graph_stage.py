@@ -630,9 +630,9 @@ class GraphStage:
     def max_io_bytes(self) -> int:
         return self.route.max_io_bytes
 
-    def count_admissions(self, admitted: Callable[[], int]) -> None:
-        """A free replica waits for batch-mates only while other requests are admitted."""
-        self.queue.admitted_requests = admitted
+    def count_requests_in_flight(self, in_flight: Callable[[], int]) -> None:
+        """A free replica waits for batch-mates only while other requests are in flight."""
+        self.queue.requests_in_flight = in_flight
 
     # -- the runtime's lifecycle (protocols.ServingStage) -------------------------------------------
 
@@ -699,12 +699,12 @@ class GraphStage:
 
     def _claim_for_loop_locked(self) -> GraphReplica | None:
         """An idle replica claimed for a loop-driven call, when one may be made now: nothing is
-        queued, and the stage merges no calls or no other request is admitted (under load the
+        queued, and the stage merges no calls or no other request is in flight (under load the
         replicas' threads batch)."""
         queue = self.queue
         if not queue.is_empty():
             return None
-        if queue.limits.max_rows > 1 and (queue.admitted_requests is None or queue.admitted_requests() > 1):
+        if queue.limits.max_rows > 1 and (queue.requests_in_flight is None or queue.requests_in_flight() > 1):
             return None
         return next((replica for replica in self.replicas if replica.claim()), None)
 

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -125,8 +126,9 @@ class Orchestrator:
         # slots counted beside the admitted requests: set aside by AdmissionHolds and not yet taken,
         # or kept by fenced calls still running for requests already gone
         self._held = 0
+        self._in_flight = 0  # admitted requests whose outputs are not all in: they may still bring work
         for stage in self._chain:
-            stage.count_admissions(self._active.__len__)
+            stage.count_requests_in_flight(lambda: self._in_flight)
         self._lock = threading.Lock()
         # ids of requests admitted without one: unique without a random draw (a system call) each
         self._id_prefix = uuid.uuid4().hex[:16]
@@ -219,8 +221,10 @@ class Orchestrator:
                     f"queue full: {len(self._active) + self._held} requests admitted or held "
                     f"(max_queued_requests={self.max_queued_requests})"
                 )
-            request = RequestState(request_id, prepared, deadline, step.post, step.new_future())
+            request = RequestState(request_id, prepared, deadline, partial(self._deliver, step.post),
+                                   step.new_future())
             self._active[request_id] = request
+            self._in_flight += 1
         if hold is not None:
             hold.take()
         if deadline is not None:
@@ -234,6 +238,13 @@ class Orchestrator:
         except StageUnavailable as exc:
             request.fail(exc)
         return request
+
+    def _deliver(self, post: Callable[[RequestState], None], request: RequestState) -> None:
+        """A request reached its end (outputs all in, or failed): it brings no more work; to its
+        output step."""
+        with self._lock:
+            self._in_flight -= 1
+        post(request)
 
     def _output_step(self, loop: asyncio.AbstractEventLoop | None) -> InlineOutputStep | LoopOutputStep:
         if loop is None:

@@ -78,8 +78,9 @@ class Stage(Protocol):
         """The request is gone (cancelled, aborted): stop its work where the stage can."""
         ...
 
-    def count_admissions(self, admitted: Callable[[], int]) -> None:
-        """How many requests the orchestrator has admitted (a batcher waits for mates only then)."""
+    def count_requests_in_flight(self, in_flight: Callable[[], int]) -> None:
+        """How many requests are in flight: admitted, their outputs not all in (a batcher waits for
+        mates only while others are)."""
         ...
 
     def status(self) -> tuple[str, str | None]:
