@@ -28,7 +28,9 @@ def record_calls(omni) -> list[tuple[bool, bool]]:
 
 def test_a_lone_request_is_called_from_its_loop_and_requests_under_load_by_the_replica_threads(make_plan, engine):
     async def serve():
-        async with AsyncOmni(deploy_config=make_plan("affine", batching={"max_batch_rows": 8})) as omni:
+        # spin_wait_us 0: no call returns within the spin window, so a lone one is always the loop's
+        plan = make_plan("affine", batching={"max_batch_rows": 8}, spin_wait_us=0)
+        async with AsyncOmni(deploy_config=plan) as omni:
             calls = record_calls(omni)
             alone = [await engine.first(omni, SMALL, f"alone-{i}") for i in range(3)]
             lone_calls = list(calls)
@@ -45,6 +47,19 @@ def test_a_lone_request_is_called_from_its_loop_and_requests_under_load_by_the_r
     # the loop; the seven admitted meanwhile wait for the replica, whose thread merges them
     first, *rest = load_calls
     assert first == (True, True) and rest and len(rest) < 7 and all(on_loop is False for on_loop, _ in rest)
+
+
+def test_calls_that_return_within_the_spin_window_stay_with_the_replica_thread(make_plan, engine):
+    async def serve():
+        async with AsyncOmni(deploy_config=make_plan("affine", spin_wait_us=100_000)) as omni:
+            calls = record_calls(omni)
+            for i in range(3):
+                await engine.first(omni, SMALL, f"alone-{i}")
+            return calls
+
+    # the first call is the loop's (nothing is known yet); it returned within 100 ms, so the thread,
+    # spinning for such a reply, takes the next ones
+    assert asyncio.run(serve()) == [(True, True), (False, False), (False, False)]
 
 
 def test_a_loop_that_ends_with_its_call_in_flight_hands_the_call_to_the_replica_thread(make_plan, engine):
