@@ -29,7 +29,9 @@ Each `ort-*` case is timed three ways:
   http    `omnigraph serve --deploy-config` on that plan, in its own process on 127.0.0.1: a
           `POST /v1/systemone` of the request's JSON over one keep-alive connection (the standard
           library's http.client, the leanest client at hand), from the first byte sent to the
-          answer's JSON parsed.
+          answer's JSON parsed. Beside it, "http floor": the same client against a bare ASGI app
+          under uvicorn that parses the body and sends it back (benchmarks/http_echo.py): what
+          HTTP costs on this machine with no framework and no engine.
 The worker route allows CPUExecutionProvider beside CUDA and refuses nothing on placement (rows
 report the real fraction of nodes on CUDA), unless `--strict-placement` asks for the deploy
 defaults (CUDA only, every node on it).
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import datetime
 import gc
@@ -552,53 +555,68 @@ def _ort_http(run: Run, name: str, plan: Mapping[str, Any], lengths: list[Length
     import yaml
 
     with tempfile.TemporaryDirectory(prefix="laya-gpu-http-") as folder:
-        config, log = Path(folder) / "deploy.yaml", Path(folder) / "serve.log"
+        config = Path(folder) / "deploy.yaml"
         config.write_text(yaml.safe_dump(dict(plan)))
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        command = [sys.executable, "-m", "omnigraph.plugin.cli", "serve", "--deploy-config", str(config),
-                   "--port", str(port)]
+        serve = ["-m", "omnigraph.plugin.cli", "serve", "--deploy-config", str(config)]
         started = time.perf_counter()
-        with log.open("w") as log_file:
-            server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            connection = _await_ready(server, port, run.args.startup_timeout, log)
+        with _http_server(serve, "/ready", Path(folder) / "serve.log", run.args.startup_timeout) as post:
             run.add(name, "load_s", round(time.perf_counter() - started, 3), "s")
-
-            def answer(request: dict) -> dict:
-                connection.request("POST", "/v1/systemone", body=json.dumps(request),
-                                   headers={"Content-Type": "application/json"})
-                response = connection.getresponse()
-                body = json.loads(response.read())
-                if response.status != 200:
-                    raise RuntimeError(f"POST /v1/systemone: {response.status} {body}")
-                return body
-
             for requests in lengths:
-                samples = time_calls(lambda: answer(requests.timed), run.args.requests, run.args.warmup)
-                usage = answer(requests.timed)["usage"]
+                samples = time_calls(lambda: post(requests.timed), run.args.requests, run.args.warmup)
+                usage = post(requests.timed)["usage"]
                 run.add_latency(name, requests, samples, usage_tokens=usage["input_tokens"])
-            run.add_drift(name, [answer(requests.drift) for requests in lengths])
-            connection.close()
-        finally:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+            run.add_drift(name, [post(requests.drift) for requests in lengths])
+        echo = ["-m", "uvicorn", "benchmarks.http_echo:app", "--http", "httptools", "--no-access-log"]
+        with _http_server(echo, "/", Path(folder) / "echo.log", run.args.startup_timeout) as post:
+            for requests in lengths:
+                samples = time_calls(lambda: post(requests.timed), run.args.requests, run.args.warmup)
+                run.add_latency(f"{name} floor", requests, samples, detail="bare ASGI echo under uvicorn")
 
 
-def _await_ready(server: subprocess.Popen, port: int, timeout: float, log: Path) -> http.client.HTTPConnection:
-    """A keep-alive connection to the server once its /ready answers 200 (within `timeout` s)."""
+@contextlib.contextmanager
+def _http_server(arguments: list[str], ready_path: str, log: Path,
+                 timeout: float) -> Iterator[Callable[[dict], dict]]:
+    """Start `python ARGUMENTS --port P` in its own process group; yields a function that POSTs a
+    request to /v1/systemone over one keep-alive connection and returns the parsed answer."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with log.open("w") as log_file:
+        server = subprocess.Popen([sys.executable, *arguments, "--port", str(port)], stdout=log_file,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        connection = _await_ready(server, port, ready_path, timeout, log)
+
+        def post(request: dict) -> dict:
+            connection.request("POST", "/v1/systemone", body=json.dumps(request),
+                               headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            body = json.loads(response.read())
+            if response.status != 200:
+                raise RuntimeError(f"POST /v1/systemone: {response.status} {body}")
+            return body
+
+        yield post
+        connection.close()
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _await_ready(server: subprocess.Popen, port: int, ready_path: str, timeout: float,
+                 log: Path) -> http.client.HTTPConnection:
+    """A keep-alive connection to the server once `ready_path` answers 200 (within `timeout` s)."""
     deadline = time.monotonic() + timeout
     while True:
         if server.poll() is not None:
-            raise RuntimeError(f"omnigraph serve exited with {server.returncode}: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"the server exited with {server.returncode}: {log.read_text()[-2000:]}")
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
         try:
-            connection.request("GET", "/ready")
+            connection.request("GET", ready_path)
             response = connection.getresponse()
             response.read()
             if response.status == 200:
@@ -607,7 +625,7 @@ def _await_ready(server: subprocess.Popen, port: int, timeout: float, log: Path)
             pass
         connection.close()
         if time.monotonic() > deadline:
-            raise RuntimeError(f"omnigraph serve was not ready within {timeout} s: {log.read_text()[-2000:]}")
+            raise RuntimeError(f"the server was not ready within {timeout} s: {log.read_text()[-2000:]}")
         time.sleep(0.25)
 
 
