@@ -44,3 +44,22 @@ def test_openai_routes_answer_401_in_openai_shape(keyed_server):
     response = httpx.get(f"{keyed_server.url}/v1/models", timeout=30)
     assert response.status_code == 401
     assert response.json()["error"]["code"] == "unauthorized"
+
+
+def test_a_refused_decision_is_counted_as_unauthorized_under_its_route(keyed_server):
+    from ..reliability.http_server import metric_samples
+
+    def counts() -> tuple[float, float]:
+        samples = metric_samples(keyed_server.url)
+        outcome = sum(v for k, v in samples.items()
+                      if k.startswith("omnigraph_request_outcomes_total{") and 'outcome="unauthorized"' in k)
+        requests = sum(v for k, v in samples.items()
+                       if k.startswith("omnigraph_http_requests_total{") and 'route="/v1/systemone"' in k
+                       and 'status="401"' in k)
+        return outcome, requests
+
+    before = counts()
+    assert httpx.post(f"{keyed_server.url}/v1/systemone", json=DECISION, timeout=30).status_code == 401
+    assert httpx.post(f"{keyed_server.url}/no/such/route", json=DECISION, timeout=30).status_code == 401
+    outcome, requests = counts()
+    assert (outcome - before[0], requests - before[1]) == (1, 1)  # the unknown path is "unmatched", not a label

@@ -19,18 +19,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omnigraph.plugin.api import decision, openai_routes, probes
 from omnigraph.plugin.api.auth import BearerKeyAuth
 from omnigraph.plugin.api.body import MAX_BODY_BYTES
-from omnigraph.plugin.api.errors import ApiError, api_error_handler, unexpected_error_handler
+from omnigraph.plugin.api.errors import ERROR_CODE_STATE, ApiError, api_error_handler, unexpected_error_handler
 from omnigraph.plugin.api.metrics import DECISION_ROUTES, EngineReadings, ServerMetrics
 from omnigraph.plugin.api.service import DecisionService
-
-#: Where the ApiError handler leaves the error's code for the middleware (in the request's state).
-_ERROR_CODE = "omnigraph_error_code"
 
 
 class _RequestMetrics:
     """ASGI middleware counting every HTTP response by route template and status, with its latency;
     a decision route's answer also as an outcome ("ok", or the code of its `ApiError`, which
-    `_counted_api_error` leaves in the request's state). Prompt tokens are counted where each
+    `_counted_api_error` and `BearerKeyAuth` leave in the request's state). A decision route
+    refused before routing (401) is counted under its path. Prompt tokens are counted where each
     decision is in hand (handling.run_decision), not read back from the answer."""
 
     def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
@@ -54,10 +52,10 @@ class _RequestMetrics:
         try:
             await self.app(scope, receive, send_and_record)
         finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
+            route = getattr(scope.get("route"), "path", None) or _unrouted(scope["path"])
             self.metrics.observe_request(route, status, time.perf_counter() - started)
             if route in DECISION_ROUTES:
-                self._observe_outcome(status, state.get(_ERROR_CODE))
+                self._observe_outcome(status, state.get(ERROR_CODE_STATE))
 
     def _observe_outcome(self, status: int, code: str | None) -> None:
         if 200 <= status < 300:
@@ -66,10 +64,16 @@ class _RequestMetrics:
             self.metrics.observe_outcome(code or ("internal_error" if status == 500 else f"http_{status}"))
 
 
+def _unrouted(path: str) -> str:
+    """The route label of a request answered before routing: a decision route's own path (a fixed
+    set, so no label grows with what clients send), anything else "unmatched"."""
+    return path if path in DECISION_ROUTES else "unmatched"
+
+
 async def _counted_api_error(request: Request, error: Exception) -> Response:
     """`api_error_handler`, leaving the error's code for the middleware's outcome count."""
     if isinstance(error, ApiError):
-        setattr(request.state, _ERROR_CODE, error.code)
+        setattr(request.state, ERROR_CODE_STATE, error.code)
     return await api_error_handler(request, error)
 
 

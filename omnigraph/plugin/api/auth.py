@@ -15,7 +15,13 @@ import os
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from omnigraph.plugin.api.errors import ApiError, decision_error_body, is_openai_path, openai_error_body
+from omnigraph.plugin.api.errors import (
+    ERROR_CODE_STATE,
+    ApiError,
+    decision_error_body,
+    is_openai_path,
+    openai_error_body,
+)
 
 API_KEY_ENV = "OMNIGRAPH_API_KEY"
 OPEN_PATHS = frozenset({"/health", "/ready", "/v1/systemone/ready", "/metrics"})
@@ -45,6 +51,7 @@ class BearerKeyAuth:
             return
         body_shape = openai_error_body if is_openai_path(scope["path"]) else decision_error_body
         body = json.dumps(body_shape(_UNAUTHORIZED)).encode()
+        scope.setdefault("state", {})[ERROR_CODE_STATE] = _UNAUTHORIZED.code  # the outcome count's
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"www-authenticate", b"Bearer")]})

@@ -17,6 +17,9 @@ from omnigraph.plugin.api.body import BodyError
 from omnigraph.plugin.api.request_ids import REQUEST_ID_HEADER, request_id
 
 OPENAI_PATH_PREFIXES = ("/v1/chat/", "/v1/models")
+#: Where an error answered for a request leaves its code for the metrics middleware's outcome count
+#: (in the ASGI scope's state, which `request.state` writes to).
+ERROR_CODE_STATE = "omnigraph_error_code"
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",

@@ -51,7 +51,8 @@ DECISION_ROUTES = frozenset({"/v1/systemone", "/v1/systemone/batch", "/v1/chat/c
 #: appears once it happened.
 KNOWN_OUTCOMES = ("ok", "invalid_json", "invalid_utf8", "unsupported_media_type", "request_too_large",
                   "invalid_request", "model_not_found", "not_ready", "stage_recovering", "pipeline_failed",
-                  "queue_full", "deadline_exceeded", "cancelled", "client_disconnected", "internal_error")
+                  "queue_full", "deadline_exceeded", "cancelled", "client_disconnected", "unauthorized",
+                  "internal_error")
 
 
 def _none() -> None:
