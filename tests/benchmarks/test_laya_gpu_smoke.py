@@ -173,8 +173,10 @@ def test_bundle_case_runs_engine_and_end_to_end(smoke_run: tuple[list[dict], Pat
 def test_targets_are_written_and_the_report_reads_the_json(smoke_run: tuple[list[dict], Path]) -> None:
     rows, path = smoke_run
     targets = [row for row in rows if row["case"] == "target"]
-    e2e = [row for row in targets if row["metric"].startswith("ort-fast-graph e2e p50")]
+    e2e = [row for row in targets if row["metric"].startswith("ort-fast-graph e2e p50 <=")]
     assert len(e2e) == 3 and {row["status"] for row in e2e} == {"not measured"}  # no CUDA graph case on CPU
+    host = [row for row in targets if " p50 - " in row["metric"]]  # issue 20: e2e - engine, http - e2e
+    assert [row["length"] for row in host] == [64, 64] and {row["status"] for row in host} == {"not measured"}
     assert any(row["metric"].startswith("ort-bf16 e2e max |p - p_fp32|") for row in targets)
     report = subprocess.run([sys.executable, str(SCRIPT), "--report", str(path)], capture_output=True, text=True,
                             timeout=120)
