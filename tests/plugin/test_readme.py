@@ -1,0 +1,49 @@
+"""The README's `curl` commands, run as written against the embedded demo server (only its address
+is the test server's): each gets a 200 and an answer in the shape the README says."""
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+README_ADDRESS = "localhost:8000"
+
+
+def readme_curl_commands() -> list[str]:
+    """Every `curl` line of the README's bash blocks, in order."""
+    blocks = re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip().startswith("curl ")]
+
+
+def test_the_readme_shows_each_kind_of_question_and_the_openai_route():
+    commands = readme_curl_commands()
+    bodies = [json.loads(shlex.split(command)[-1]) for command in commands]
+    kinds = {question["type"] for body in bodies for question in body.get("questions", {}).values()}
+    assert kinds == {"noul", "choice", "score"}
+    assert any("/v1/chat/completions" in command for command in commands)
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+@pytest.mark.parametrize("command", readme_curl_commands())
+def test_a_readme_curl_command_is_answered_as_the_readme_says(demo_server, command):
+    assert README_ADDRESS in command
+    argv = shlex.split(command.replace(README_ADDRESS, demo_server.url.removeprefix("http://")))
+    argv[1:1] = ["--fail-with-body", "--max-time", "60"]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    answer = json.loads(result.stdout)
+    if "/v1/chat/completions" in command:
+        decided = json.loads(answer["choices"][0]["message"]["content"])
+        assert set(decided) == {"team", "refund", "urgency"} and decided["team"] in {"billing", "support", "sales"}
+        assert isinstance(decided["refund"], bool) and decided["urgency"] in {1, 2, 3}
+    else:
+        questions = json.loads(shlex.split(command)[-1])["questions"]
+        assert list(answer["answers"]) == list(questions) and answer["usage"]["output_tokens"] == 0
+        for name, question in questions.items():
+            expected = {"noul"} if question["type"] == "noul" else {question["type"], "probabilities"}
+            assert expected <= set(answer["answers"][name]), (name, answer["answers"][name])
