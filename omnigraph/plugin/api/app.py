@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omnigraph.plugin.api import decision, openai_routes, probes
 from omnigraph.plugin.api.auth import BearerKeyAuth
 from omnigraph.plugin.api.body import MAX_BODY_BYTES
+from omnigraph.plugin.api.docs import add_offline_docs
 from omnigraph.plugin.api.errors import ERROR_CODE_STATE, ApiError, api_error_handler, unexpected_error_handler
 from omnigraph.plugin.api.metrics import DECISION_ROUTES, EngineReadings, ServerMetrics
 from omnigraph.plugin.api.service import DecisionService
@@ -112,7 +113,9 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
                 pass
             await service.stop()
 
-    app = FastAPI(title="omnigraph", summary="System One decisions over HTTP", lifespan=lifespan)
+    app = FastAPI(title="omnigraph", summary="System One decisions over HTTP", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)  # add_offline_docs serves /docs without a CDN
+    add_offline_docs(app)
     attach_service(app.state, service, max_body_bytes=max_body_bytes)
     app.add_exception_handler(ApiError, _counted_api_error)
     app.add_exception_handler(Exception, unexpected_error_handler)

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from omnigraph.plugin.api.errors import ApiError
 from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json, run_decision
 from omnigraph.plugin.api.request_ids import REQUEST_ID_HEADER, engine_request_id, request_id
+from omnigraph.plugin.api.request_schemas import BATCH_REQUEST, DECISION_REQUEST, request_body
 from omnigraph.plugin.api.service import Decision, DecisionService
 
 MAX_BATCH_STATES = 64
@@ -75,7 +76,7 @@ def answer_body(service: DecisionService, decision: Decision) -> dict:
     return response
 
 
-@router.post("/v1/systemone")
+@router.post("/v1/systemone", openapi_extra=request_body(DECISION_REQUEST))
 async def systemone(request: Request) -> JSONResponse:
     service: DecisionService = request.app.state.service
     body = _object_body(await read_json(request, request.app.state.max_body_bytes))
@@ -107,7 +108,7 @@ def _batch_audit(service: DecisionService, answered: list[dict]) -> dict:
     return audit
 
 
-@router.post("/v1/systemone/batch")
+@router.post("/v1/systemone/batch", openapi_extra=request_body(BATCH_REQUEST))
 async def systemone_batch(request: Request) -> JSONResponse:
     service: DecisionService = request.app.state.service
     body = _object_body(await read_json(request, request.app.state.max_body_bytes))

@@ -38,6 +38,7 @@ from omnigraph.plugin.api.openai_schema import (
     plan_decisions,
 )
 from omnigraph.plugin.api.request_ids import REQUEST_ID_HEADER, engine_request_id, request_id
+from omnigraph.plugin.api.request_schemas import chat_completion_request, request_body
 from omnigraph.plugin.api.service import DecisionService
 
 router = APIRouter()
@@ -70,7 +71,7 @@ def _stream(completion: ChatCompletion, include_usage: bool) -> Iterator[str]:
     yield "data: [DONE]\n\n"
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=request_body(chat_completion_request()))
 async def chat_completions(request: Request):
     service: DecisionService = request.app.state.service
     chat = parse_chat_request(await read_json(request, request.app.state.max_body_bytes))
