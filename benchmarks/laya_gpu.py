@@ -599,12 +599,13 @@ def _http_server(arguments: list[str], ready_path: str, log: Path,
         yield post
         connection.close()
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        if server.poll() is None:  # one that exited on its own has said why in the error above
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
 
 
 def _await_ready(server: subprocess.Popen, port: int, ready_path: str, timeout: float,

@@ -12,14 +12,14 @@
 #                        --no-deps and h200_run.sh checks that it imports and runs
 #   pydantic, pydantic-core, annotated-types, typing-inspection, typing-extensions
 #                        the deploy-YAML schema (omnigraph.pipelines.deploy) that AsyncOmni builds
-#   fastapi, starlette, uvicorn, httptools
+#   fastapi, starlette, uvicorn, httptools, swagger-ui-bundle
 #                        `omnigraph serve`, for laya_gpu.py's http path
 #   posix_ipc            the worker mailbox's doorbells: without it workers serve through the socket
 #   omnigraph (built from this tree)
 #                        only for its entry point (`omnigraph.pipelines` -> laya): the code itself
 #                        is imported from the working tree, which h200_run.sh puts first on PYTHONPATH
 #
-# Every wheel counts toward the 64 MiB a device run carries (4.3 MiB in all); the script
+# Every wheel counts toward the 64 MiB a device run carries (4.5 MiB in all); the script
 # prints the total. Keep one version of each package in .whl: two stop the whole install there.
 set -euo pipefail
 
@@ -46,6 +46,7 @@ PACKAGES=(
   uvicorn==0.55.0
   httptools==0.9.0
   posix_ipc==1.3.2
+  swagger-ui-bundle==1.1.0
 )
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${PLATFORMS[@]}" -d "$DEST" "${PACKAGES[@]}"
