@@ -6,9 +6,14 @@ bytes), `"hex": str` (raw bytes), or `"repeat": {"prefix", "unit", "times", "suf
 body built here)`}`. `content_type` defaults to `application/json` when a body is sent; null
 sends none.
 
-`setup`: `{"ready_path", "ready_timeout_s"}`: before the first case the runner polls GET ready_path
-until it answers 200 (a server answers 503 while it warms up), failing the group if it never does;
-a target that refuses every connection for DEAD_TARGET_GRACE_S fails it at once (nothing listens).
+`setup`: `{"ready_path", "ready_timeout_s", "answers_for"?}`: before the first case the runner polls
+GET ready_path until it answers 200 (a server answers 503 while it warms up), failing the group if
+it never does; a target that refuses every connection for DEAD_TARGET_GRACE_S fails it at once
+(nothing listens). `answers_for`: `{"model", "checkpoint_revision", "precision"}`, the model the
+expected answers were produced on: the runner reads the served model's
+`avrik.hashes.checkpoint_revision` (GET /v1/models) and `precision` (GET /health) first, and a
+server that serves another model, or does not say which, has every case that expects answers
+skipped with that reason (the status cases still run).
 
 `expect`: `{"status": int, "field"?: str}` where `field` is the dotted input the error body must
 blame; for a 200 from `/v1/systemone` also `"answers"` and `"usage"` as the reference produced
@@ -27,7 +32,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from omnigraph.conformance.report import CaseFailed, CaseRunner
+from omnigraph.conformance.report import CaseFailed, CaseRunner, CaseSkipped
 from omnigraph.conformance.suite import Case, FixtureInvalid, Group
 from omnigraph.conformance.targets import Target
 
@@ -50,12 +55,54 @@ def open_runner(group: Group, target: Target) -> Iterator[CaseRunner]:
     parts = urlsplit(target.base_url)
     connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     _wait_ready(connection_class, parts.netloc, group.setup["ready_path"], group.setup["ready_timeout_s"])
+    answers_for = group.setup.get("answers_for")
+    other_model = None if answers_for is None else _other_model(connection_class, parts.netloc, answers_for)
 
     def check(case: Case) -> None:
+        if other_model is not None and "answers" in case.expect:
+            raise CaseSkipped(other_model)
         status, body = _request(connection_class, parts.netloc, case)
         _check_response(case, status, body)
 
     yield check
+
+
+def _other_model(connection_class: type, netloc: str, answers_for: Any) -> str | None:
+    """Why the group's answer fixtures do not apply to the served model (None: they do)."""
+    if not isinstance(answers_for, dict) or set(answers_for) != {"model", "checkpoint_revision", "precision"}:
+        raise FixtureInvalid("setup.answers_for must be {model, checkpoint_revision, precision}, "
+                             f"got {answers_for!r}")
+    cards = _get_json(connection_class, netloc, "/v1/models")
+    health = _get_json(connection_class, netloc, "/health")
+    entries = cards.get("data") if isinstance(cards, dict) else None
+    first = entries[0] if isinstance(entries, list) and entries and isinstance(entries[0], dict) else {}
+    avrik = first.get("avrik")
+    hashes = avrik.get("hashes") if isinstance(avrik, dict) else None
+    revision = hashes.get("checkpoint_revision") if isinstance(hashes, dict) else None
+    precision = health.get("precision") if isinstance(health, dict) else None
+    fixtures = f"answer fixtures belong to {answers_for['model']}"
+    if revision is None or precision is None:
+        return (f"{fixtures}; this server does not say which checkpoint it serves (GET /v1/models "
+                "avrik.hashes.checkpoint_revision, GET /health precision)")
+    if (revision, precision) != (answers_for["checkpoint_revision"], answers_for["precision"]):
+        return f"{fixtures}; this server serves checkpoint_revision {revision} at {precision}"
+    return None
+
+
+def _get_json(connection_class: type, netloc: str, path: str) -> Any:
+    """GET `path`'s JSON body, or None when it has none (another kind of server)."""
+    connection = connection_class(netloc, timeout=REQUEST_TIMEOUT_S)
+    try:
+        connection.request("GET", path, headers={"accept": JSON_CONTENT_TYPE})
+        raw = connection.getresponse().read()
+    except (OSError, http.client.HTTPException):
+        return None
+    finally:
+        connection.close()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 def _wait_ready(connection_class: type, netloc: str, path: str, timeout_s: float) -> None:

@@ -6,7 +6,8 @@ For every decision case whose `expect` carries a `reference` note, this asks the
 (the reference implementation; a test dependency, not needed to run the suite) the same request on
 the synthetic tiny Laya checkpoint, seed 0 (`omnigraph.pipelines.laya.synth.cached_checkpoint`,
 the checkpoint behind the embedded default bundle), on CPU in eager fp32, and writes its
-`answers` and `usage` (input and output tokens) into the fixture. A question whose two most
+`answers` and `usage` (input and output tokens) into the fixture, and the checkpoint's identity
+into `setup.answers_for` (decision_group.py). A question whose two most
 likely options are closer than twice the case's tolerance is refused: its winner would depend on
 rounding, so the request must change instead.
 """
@@ -38,13 +39,20 @@ def fill_reference_answers(suite: str = "v1") -> int:
     """Rewrite the suite's decision.json with reference answers; returns how many cases were filled."""
     import laya
 
+    from omnigraph.pipelines.laya.export import checkpoint_content_sha256
     from omnigraph.pipelines.laya.synth import cached_checkpoint
 
     path = SUITES_ROOT / suite / "decision.json"
     load_group(path)  # refuse a malformed fixture before touching it
     document = json.loads(path.read_text(encoding="utf-8"))
-    agent = laya.load(str(cached_checkpoint("tiny", seed=0)), device="cpu")
+    checkpoint = cached_checkpoint("tiny", seed=0)
+    agent = laya.load(str(checkpoint), device="cpu")
     note = reference_note()
+    document["setup"]["answers_for"] = {  # what a runner compares the served model with first
+        "model": "the synthetic tiny Laya checkpoint, seed 0 (the embedded default), fp32",
+        "checkpoint_revision": checkpoint_content_sha256(checkpoint),
+        "precision": "fp32",
+    }
     filled = 0
     for case in document["cases"]:
         expect = case["expect"]

@@ -84,3 +84,26 @@ def test_a_dead_target_fails_the_group_at_once_with_the_reason(monkeypatch: pyte
     report = run_suite("v1", f"http://127.0.0.1:{_free_port()}", "decision")  # nothing listens there
     assert time.monotonic() - started < 60  # not the group's 300 s ready timeout
     assert report.failures and all("nothing listens at 127.0.0.1:" in r.detail for r in report.failures)
+
+
+def test_a_server_of_another_model_skips_the_answer_fixtures_with_the_reason(server_url: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answer fixtures belong to the demo checkpoint at fp32: a server of another checkpoint (here, the
+    same server made to name another) runs the status cases and skips the answer cases, saying why."""
+    from omnigraph.conformance import decision_group
+
+    original = decision_group._get_json
+
+    def other_checkpoint(connection_class, netloc, path):
+        body = original(connection_class, netloc, path)
+        if path == "/v1/models":
+            body["data"][0]["avrik"]["hashes"]["checkpoint_revision"] = "sha256:" + "0" * 64
+        return body
+
+    monkeypatch.setattr(decision_group, "_get_json", other_checkpoint)
+    report = run_suite("v1", server_url, "decision")
+    answer_cases = {case.id for case in load_suite("v1").group("decision").cases if "answers" in case.expect}
+    skipped = {r.case_id: r.detail for r in report.results if r.status.value == "skipped"}
+    assert set(skipped) == answer_cases and not report.failures
+    assert all(detail.startswith("answer fixtures belong to the synthetic tiny Laya checkpoint") and
+               "this server serves checkpoint_revision sha256:000" in detail for detail in skipped.values())

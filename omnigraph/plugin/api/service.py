@@ -230,9 +230,12 @@ class DecisionService:
 
     def model_cards(self, server_limits: Mapping[str, int]) -> list[dict[str, Any]]:
         """`/v1/models`' entries, one per served name: `{name, description, release_date, avrik:
-        {hashes, backend, limits}}`; what the bundle does not say is None."""
-        hashes = {key: self._audit.get(key) for key in ("model_hash", "adapter_hash", "prompt_template_sha256",
-                                                           "allowed_token_set_hash", "calibration_version")}
+        {hashes, backend, limits}}`; what the bundle does not say is None. `hashes.checkpoint_revision`
+        names the weights the bundle was built from, whatever its precision or exporter (a conformance
+        run compares it with its answer fixtures')."""
+        hashes = {key: self._audit.get(key) for key in ("model_hash", "checkpoint_revision", "adapter_hash",
+                                                           "prompt_template_sha256", "allowed_token_set_hash",
+                                                           "calibration_version")}
         avrik = {"hashes": hashes, "backend": self._audit.get("backend"),
                  "limits": {**self._limits, **server_limits, "request_deadline_s": self.deadline_s}}
         return [{"name": name, "description": self._description(), "release_date": self._audit.get("release_date"),
