@@ -1,11 +1,14 @@
 """The README's `curl` commands, run as written against the embedded demo server (only its address
-is the test server's): each gets a 200 and an answer in the shape the README says."""
+is the test server's): each gets a 200 and an answer in the shape the README says. Its Python
+snippet, run as written as a script."""
 
+import ast
 import json
 import re
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,3 +50,13 @@ def test_a_readme_curl_command_is_answered_as_the_readme_says(demo_server, comma
         for name, question in questions.items():
             expected = {"noul"} if question["type"] == "noul" else {question["type"], "probabilities"}
             assert expected <= set(answer["answers"][name]), (name, answer["answers"][name])
+
+
+def test_the_readme_python_snippet_runs_as_written(tmp_path):
+    (snippet,) = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    script = tmp_path / "readme_snippet.py"
+    script.write_text(snippet)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = ast.literal_eval(result.stdout.strip().splitlines()[-1])  # it prints the refund answer, a dict
+    assert answer["type"] == "noul" and 0.0 <= answer["noul"] <= 1.0
