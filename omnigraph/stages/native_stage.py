@@ -395,7 +395,7 @@ class NativeStage:
         """An in-process engine has no wire; the graph wire's default bounds its tensors alike."""
         return DEFAULT_MAX_IO_BYTES
 
-    def count_requests_in_flight(self, in_flight: Callable[[], int]) -> None:
+    def count_requests(self, admitted: Callable[[], int], in_flight: Callable[[], int]) -> None:
         """vLLM batches by itself: the stage does not wait for batch-mates."""
 
     # -- the runtime's lifecycle (protocols.ServingStage) -------------------------------------------

@@ -128,7 +128,7 @@ class Orchestrator:
         self._held = 0
         self._in_flight = 0  # admitted requests whose outputs are not all in: they may still bring work
         for stage in self._chain:
-            stage.count_requests_in_flight(lambda: self._in_flight)
+            stage.count_requests(self._active.__len__, lambda: self._in_flight)
         self._lock = threading.Lock()
         # ids of requests admitted without one: unique without a random draw (a system call) each
         self._id_prefix = uuid.uuid4().hex[:16]

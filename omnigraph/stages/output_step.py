@@ -39,10 +39,9 @@ def _settle(request: RequestState) -> None:
 
 
 def _running_on(loop: asyncio.AbstractEventLoop) -> bool:
-    try:
-        return asyncio.get_running_loop() is loop
-    except RuntimeError:  # no loop runs on this thread
-        return False
+    # asyncio's own lookup without the exception `get_running_loop` raises on a thread with no
+    # loop (a replica thread posts here for every request it completes)
+    return asyncio._get_running_loop() is loop
 
 
 class InlineOutputStep:

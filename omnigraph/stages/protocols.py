@@ -78,9 +78,10 @@ class Stage(Protocol):
         """The request is gone (cancelled, aborted): stop its work where the stage can."""
         ...
 
-    def count_requests_in_flight(self, in_flight: Callable[[], int]) -> None:
-        """How many requests are in flight: admitted, their outputs not all in (a batcher waits for
-        mates only while others are)."""
+    def count_requests(self, admitted: Callable[[], int], in_flight: Callable[[], int]) -> None:
+        """How many requests are admitted and not yet acknowledged (a batcher waits for mates only
+        while others are), and how many of them are in flight, their outputs not all in (a lone
+        one may be called from its event loop)."""
         ...
 
     def status(self) -> tuple[str, str | None]:

@@ -327,7 +327,7 @@ def test_a_replica_waits_for_batch_mates_only_while_other_requests_are_admitted(
 
     for admitted, waits in ((1, False), (2, True)):
         stage_queue = queue(max_rows=8, wait_us=100_000)
-        stage_queue.requests_in_flight = lambda: admitted
+        stage_queue.admitted_requests = lambda: admitted
         stage_queue._ready.wait = refuse_to_wait
         stage_queue.put(Item("only", 1))
         if waits:
