@@ -249,9 +249,9 @@ class GraphReplica:
             batch = self.stage.queue.take(stop_when=self._retired)
             if batch is STOP:
                 return
-            self.stage.batch_stats.record_waits([entry.waited_s for entry in batch])
             if not self._take_driver(batch):
                 return
+            self.stage.batch_stats.record_waits([entry.waited_s for entry in batch])
             try:
                 entries = self._admit(batch)
                 if entries and not self._call(entries):
