@@ -43,14 +43,16 @@ def is_ready(url: str) -> bool:
 
 
 class ServerProcess:
-    """`python ARGS...`, a server that listens on 127.0.0.1:`port`; `url` is its base URL."""
+    """`python ARGS...` (or `EXECUTABLE ARGS...`), a server that listens on 127.0.0.1:`port`; `url` is
+    its base URL."""
 
-    def __init__(self, args: Sequence[str], *, port: int, log: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, args: Sequence[str], *, port: int, log: Path, env: Mapping[str, str] | None = None,
+                 executable: str = sys.executable) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = Path(log)
         self._log_file = self.log.open("w")
-        self.process = subprocess.Popen([sys.executable, *args], env={**os.environ, **(env or {})},
+        self.process = subprocess.Popen([executable, *args], env={**os.environ, **(env or {})},
                                         stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
 
     def check_alive(self) -> None:

@@ -3,24 +3,19 @@ address is the test server's), each answered in the shape the README says; its P
 script; and its Cua-S1 block (synthesise, build, serve in process, serve inside vLLM)."""
 
 import ast
-import contextlib
 import importlib.util
 import json
-import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from ..serving import free_port
+from ..serving import ServerProcess, free_port
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 README_ADDRESS = "localhost:8000"
@@ -97,39 +92,13 @@ def test_the_readme_cua_s1_commands_run_as_written(tmp_path):
                                        "criteria": {"submit": 'Click "Create account"', "wait": "Wait"}}}}
     for command, ready in ((serve, "/ready"), (vllm_serve, "/v1/systemone/ready")):
         port = free_port()
-        with _shell_server(f"{command} --port {port}", tmp_path / f"server-{port}.log") as server:
-            base = f"http://127.0.0.1:{port}"
-            _wait_ready(server, f"{base}{ready}", tmp_path / f"server-{port}.log")
-            answer = httpx.post(f"{base}/v1/systemone", json={"model": "cua_s1", **question}, timeout=120)
+        server = ServerProcess(["-c", f"{command} --port {port}"], port=port, log=tmp_path / f"server-{port}.log",
+                               executable="bash")
+        try:
+            server.wait_ready(ready)
+            answer = httpx.post(f"{server.url}/v1/systemone", json={"model": "cua_s1", **question}, timeout=120)
             assert answer.status_code == 200, (command, answer.text)
             assert set(answer.json()["answers"]["next"]["probabilities"]) == {"submit", "wait"}
+        finally:
+            server.stop()
 
-
-@contextlib.contextmanager
-def _shell_server(command: str, log: Path) -> Iterator[subprocess.Popen]:
-    with log.open("w") as out:
-        server = subprocess.Popen(["bash", "-c", command], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield server
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
-
-
-def _wait_ready(server: subprocess.Popen, url: str, log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"the server exited with {server.returncode}: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=10).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise AssertionError(f"{url} was not ready within {timeout_s} s: {log.read_text()[-3000:]}")
