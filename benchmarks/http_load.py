@@ -19,7 +19,6 @@ import datetime
 import json
 import os
 import platform
-import signal
 import socket
 import statistics
 import subprocess
@@ -35,8 +34,10 @@ import httpx
 
 try:
     from benchmarks.machine import cpu_name
+    from benchmarks.processes import stop_process_group
 except ImportError:  # run as a script: this folder is sys.path[0]
     from machine import cpu_name
+    from processes import stop_process_group
 
 REQUEST = {
     "state": "Hi, I was charged twice for my March invoice. Please refund the duplicate charge "
@@ -114,12 +115,7 @@ def _server(command: list[str], env: dict[str, str], port: int, ready_path: str,
                 time.sleep(0.5)
             yield base
         finally:
-            os.killpg(process.pid, signal.SIGTERM)
-            try:
-                process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            stop_process_group(process)
 
 
 async def _load(base: str, body: dict, concurrency: int, seconds: float) -> dict[str, float]:

@@ -64,7 +64,6 @@ import json
 import math
 import os
 import platform
-import signal
 import socket
 import subprocess
 import sys
@@ -77,8 +76,10 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Mapping
 
 try:
     from benchmarks.machine import cpu_name
+    from benchmarks.processes import stop_process_group
 except ImportError:  # run as a script: this folder is sys.path[0]
     from machine import cpu_name
+    from processes import stop_process_group
 
 if TYPE_CHECKING:
     from omnigraph.pipelines.deploy import DeployConfig
@@ -599,13 +600,7 @@ def _http_server(arguments: list[str], ready_path: str, log: Path,
         yield post
         connection.close()
     finally:
-        if server.poll() is None:  # one that exited on its own has said why in the error above
-            os.killpg(server.pid, signal.SIGTERM)
-            try:
-                server.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-                server.wait()
+        stop_process_group(server)
 
 
 def _await_ready(server: subprocess.Popen, port: int, ready_path: str, timeout: float,
