@@ -75,9 +75,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Mapping
 
 try:
+    from benchmarks.http_echo import DELAY_HEADER
     from benchmarks.machine import cpu_name
     from benchmarks.processes import stop_process_group
 except ImportError:  # run as a script: this folder is sys.path[0]
+    from http_echo import DELAY_HEADER
     from machine import cpu_name
     from processes import stop_process_group
 
@@ -572,13 +574,22 @@ def _ort_http(run: Run, name: str, plan: Mapping[str, Any], lengths: list[Length
             for requests in lengths:
                 samples = time_calls(lambda: post(requests.timed), run.args.requests, run.args.warmup)
                 run.add_latency(f"{name} floor", requests, samples, detail="bare ASGI echo under uvicorn")
+            for requests in lengths:
+                e2e_ms = _value(run.rows, name.replace(" http", " e2e"), "p50_ms", requests.length)
+                if e2e_ms is None:
+                    continue
+                headers = {DELAY_HEADER.decode(): str(round(1000 * e2e_ms))}
+                samples = time_calls(lambda: post(requests.timed, headers), run.args.requests, run.args.warmup)
+                run.add_latency(f"{name} floor +e2e", requests, samples, delay_ms=e2e_ms,
+                                detail="the echo answering after the e2e p50, woken from a thread")
 
 
 @contextlib.contextmanager
 def _http_server(arguments: list[str], ready_path: str, log: Path,
-                 timeout: float) -> Iterator[Callable[[dict], dict]]:
+                 timeout: float) -> Iterator[Callable[..., dict]]:
     """Start `python ARGUMENTS --port P` in its own process group; yields a function that POSTs a
-    request to /v1/systemone over one keep-alive connection and returns the parsed answer."""
+    request (with extra headers, if given) to /v1/systemone over one keep-alive connection and
+    returns the parsed answer."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -588,9 +599,9 @@ def _http_server(arguments: list[str], ready_path: str, log: Path,
     try:
         connection = _await_ready(server, port, ready_path, timeout, log)
 
-        def post(request: dict) -> dict:
+        def post(request: dict, headers: Mapping[str, str] = {}) -> dict:  # noqa: B006  # never changed
             connection.request("POST", "/v1/systemone", body=json.dumps(request),
-                               headers={"Content-Type": "application/json"})
+                               headers={"Content-Type": "application/json", **headers})
             response = connection.getresponse()
             body = json.loads(response.read())
             if response.status != 200:

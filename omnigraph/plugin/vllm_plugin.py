@@ -109,14 +109,17 @@ class OmnigraphEndpointPlugin:
     def attach_router(self, app: FastAPI) -> None:
         from omnigraph.plugin.api import decision, probes
         from omnigraph.plugin.api.errors import ApiError, api_error_handler
+        from omnigraph.plugin.api.routing import PlainRoute
 
         # Routes straight on the app (not an included router), so vLLM sees each one when it
-        # resolves plugin routes against its own.
-        app.add_api_route("/v1/systemone", decision.systemone, methods=["POST"])
-        app.add_api_route("/v1/systemone/batch", decision.systemone_batch, methods=["POST"])
-        app.add_api_route("/v1/systemone/ready", probes.ready, methods=["GET"])
+        # resolves plugin routes against its own; served as `omnigraph serve` serves them.
+        routes = [("/v1/systemone", decision.systemone, "POST"),
+                  ("/v1/systemone/batch", decision.systemone_batch, "POST"),
+                  ("/v1/systemone/ready", probes.ready, "GET")]
         if not any(getattr(route, "path", None) == "/ready" for route in app.routes):
-            app.add_api_route("/ready", probes.ready, methods=["GET"])  # as `omnigraph serve` has it
+            routes.append(("/ready", probes.ready, "GET"))  # as `omnigraph serve` has it
+        for path, endpoint, method in routes:
+            app.router.add_api_route(path, endpoint, methods=[method], route_class_override=PlainRoute)
         app.add_exception_handler(ApiError, api_error_handler)
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:

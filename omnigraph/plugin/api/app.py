@@ -22,6 +22,7 @@ from omnigraph.plugin.api.body import MAX_BODY_BYTES
 from omnigraph.plugin.api.docs import add_offline_docs
 from omnigraph.plugin.api.errors import ERROR_CODE_STATE, ApiError, api_error_handler, unexpected_error_handler
 from omnigraph.plugin.api.metrics import DECISION_ROUTES, EngineReadings, ServerMetrics
+from omnigraph.plugin.api.routing import PlainRoute
 from omnigraph.plugin.api.service import DecisionService
 
 
@@ -122,7 +123,8 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
     app.include_router(decision.router)
     app.include_router(openai_routes.router)
     app.include_router(probes.router)
-    app.add_api_route("/v1/systemone/ready", probes.ready, methods=["GET"])  # the path it has inside vLLM
+    app.router.add_api_route("/v1/systemone/ready", probes.ready, methods=["GET"],  # its path inside vLLM
+                             route_class_override=PlainRoute)
     if api_key is not None:
         app.add_middleware(BearerKeyAuth, api_key=api_key)  # inside the metrics: a 401 is counted
     app.add_middleware(_RequestMetrics, metrics=app.state.metrics)

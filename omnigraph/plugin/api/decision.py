@@ -22,11 +22,12 @@ from omnigraph.plugin.api.errors import ApiError
 from omnigraph.plugin.api.handling import cancel_on_disconnect, read_json, run_decision
 from omnigraph.plugin.api.request_ids import REQUEST_ID_HEADER, engine_request_id, request_id
 from omnigraph.plugin.api.request_schemas import BATCH_REQUEST, DECISION_REQUEST, request_body
+from omnigraph.plugin.api.routing import PlainRoute
 from omnigraph.plugin.api.service import Decision, DecisionService
 
 MAX_BATCH_STATES = 64
 
-router = APIRouter()
+router = APIRouter(route_class=PlainRoute)
 
 
 def _names_a_path(text: str) -> bool:

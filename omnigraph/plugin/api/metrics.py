@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client import (
     REGISTRY,
@@ -32,6 +33,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
@@ -221,6 +223,7 @@ class ServerMetrics:
         own = registry is None
         self.registry = registry = CollectorRegistry() if registry is None else registry
         self.model_name = model_name
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         self.requests = Counter("omnigraph_http_requests", "HTTP requests answered, by route and status",
                                 ["model_name", "route", "status"], registry=registry)
         self.outcomes = Counter("omnigraph_request_outcomes",
@@ -243,9 +246,20 @@ class ServerMetrics:
             GCCollector(registry=self.registry)
             self.registry.register(VllmFamilies())
 
+    def _labelled(self, metric: MetricWrapperBase, *values: str) -> Any:
+        """`metric`'s child for this model and `values`, made once: `labels` validates its
+        arguments and takes a lock on every call (a few us, five times a request), and a child
+        lives as long as its metric. Every label set here is bounded (routes, statuses, outcomes,
+        stages)."""
+        key = (metric, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(self.model_name, *values)
+        return child
+
     def observe_request(self, route: str, status: int, seconds: float) -> None:
-        self.requests.labels(model_name=self.model_name, route=route, status=str(status)).inc()
-        self.request_latency.labels(model_name=self.model_name, route=route).observe(seconds)
+        self._labelled(self.requests, route, str(status)).inc()
+        self._labelled(self.request_latency, route).observe(seconds)
 
     def count_outcomes(self) -> None:
         """Export the outcomes (`KNOWN_OUTCOMES`) and prompt tokens at zero: called where something
@@ -256,15 +270,15 @@ class ServerMetrics:
 
     def observe_outcome(self, outcome: str) -> None:
         """One decision request answered: "ok", or its error's code."""
-        self.outcomes.labels(model_name=self.model_name, outcome=outcome).inc()
+        self._labelled(self.outcomes, outcome).inc()
 
     def observe_prompt_tokens(self, tokens: int) -> None:
         """The input tokens of one decision the engine answered."""
-        self.prompt_tokens.labels(model_name=self.model_name).inc(tokens)
+        self._labelled(self.prompt_tokens).inc(tokens)
 
     def observe_stages(self, durations: Mapping[int | str, float]) -> None:
         for stage, seconds in durations.items():
-            self.stage_latency.labels(model_name=self.model_name, stage=self.stage_names.label(stage)).observe(seconds)
+            self._labelled(self.stage_latency, self.stage_names.label(stage)).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

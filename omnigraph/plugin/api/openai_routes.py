@@ -39,9 +39,10 @@ from omnigraph.plugin.api.openai_schema import (
 )
 from omnigraph.plugin.api.request_ids import REQUEST_ID_HEADER, engine_request_id, request_id
 from omnigraph.plugin.api.request_schemas import chat_completion_request, request_body
+from omnigraph.plugin.api.routing import PlainRoute
 from omnigraph.plugin.api.service import DecisionService
 
-router = APIRouter()
+router = APIRouter(route_class=PlainRoute)
 
 
 @router.get("/v1/models")

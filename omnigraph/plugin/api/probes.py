@@ -6,9 +6,10 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from omnigraph.plugin.api.metrics import CONTENT_TYPE
+from omnigraph.plugin.api.routing import PlainRoute
 from omnigraph.plugin.api.service import NOT_READY_RETRY_AFTER_S, DecisionService
 
-router = APIRouter()
+router = APIRouter(route_class=PlainRoute)
 
 
 @router.get("/health")
