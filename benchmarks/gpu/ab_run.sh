@@ -10,7 +10,8 @@
 # First h200_run.sh builds the checkpoint and the fast bundle and runs A once ($OUT/A1); then
 # laya_gpu.py alone for B, A, B ($OUT/B1, A2, B2), each with that tree first on PYTHONPATH (the
 # servers and workers it starts inherit it). Knobs: BEFORE (.bench/before), CASES (ort-fast-graph),
-# LENGTHS (64), REQUESTS (300), and h200_run.sh's.
+# LENGTHS (64), REQUESTS (300), and h200_run.sh's. A dry run on a CPU machine:
+#   SIZE=tiny DEVICE=cpu CASES=ort-fp32 REQUESTS=5 bash benchmarks/gpu/ab_run.sh
 set -u
 
 REPO=$PWD
@@ -19,11 +20,13 @@ BEFORE=${BEFORE:-$REPO/.bench/before}
 CASES=${CASES:-ort-fast-graph}
 LENGTHS=${LENGTHS:-64}
 REQUESTS=${REQUESTS:-300}
+SIZE=${SIZE:-full}
+DEVICE=${DEVICE:-cuda}
 WORK=${WORK:-/tmp/laya-gpu}
 SITE=${SITE:-/tmp/site}
 mkdir -p "$OUT"
 
-OUT=$OUT/A1 WORK=$WORK SITE=$SITE BUNDLES=fast CASES=$CASES REQUESTS=$REQUESTS BUDGET_S=240 HARD_LIMIT_S=300 \
+OUT=$OUT/A1 WORK=$WORK SITE=$SITE SIZE=$SIZE DEVICE=$DEVICE BUNDLES=fast CASES=$CASES REQUESTS=$REQUESTS BUDGET_S=240 HARD_LIMIT_S=300 \
   bash "$REPO/benchmarks/gpu/h200_run.sh" | tail -n 30
 
 for run in B1 A2 B2; do
@@ -31,7 +34,7 @@ for run in B1 A2 B2; do
   [[ $run == B* ]] && tree=$BEFORE
   echo "== $run: omnigraph from $tree"
   PYTHONPATH=$HOME/.ortgpu:$tree:$REPO:$SITE OMNIGRAPH_CACHE=$WORK/cache timeout -k 5 150 \
-    python3 "$REPO/benchmarks/laya_gpu.py" --device cuda --checkpoint "$WORK/laya-full" --bundle fast="$WORK/bundle-fast" \
+    python3 "$REPO/benchmarks/laya_gpu.py" --device "$DEVICE" --size "$SIZE" --checkpoint "$WORK/laya-$SIZE" --bundle fast="$WORK/bundle-fast" \
     --cases $CASES --lengths $LENGTHS --requests "$REQUESTS" --json "$OUT/$run.json" > "$OUT/$run.log" 2>&1
   echo "exit $?"
   python3 "$REPO/benchmarks/laya_gpu.py" --report "$OUT/$run.json" | sed -n '3,12p'

@@ -54,6 +54,7 @@ from omnigraph.stages.handoff import outputs_as_inputs
 from omnigraph.stages.ledger import Reservation, ResourceLedger
 from omnigraph.stages.metrics import BatchMetrics, ReplicaMetrics, StageMetrics
 from omnigraph.stages.monitor import StageMonitor
+from omnigraph.stages.output_step import one_wake_up
 from omnigraph.stages.protocols import HandoffFunc, Stage, WorkItem
 from omnigraph.stages.restarts import RestartBudget
 from omnigraph.stages.tensors import InputSpec, input_specs
@@ -323,9 +324,10 @@ class GraphReplica:
             for item in call.items:
                 item.fail(exc)
             return
-        for item, share in zip(call.items, shares):
-            if item.is_live():
-                item.complete(share, seconds)
+        with one_wake_up():  # the call's requests are finished together, whichever loop awaits them
+            for item, share in zip(call.items, shares):
+                if item.is_live():
+                    item.complete(share, seconds)
 
     def _call_failed(self, call: _Call, exc: BaseException) -> bool:
         """Route a failed call's error: to its requests, and maybe retirement. False once the

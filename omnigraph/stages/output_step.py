@@ -7,8 +7,11 @@ SUCCEEDED, or FAILED) and sets the request's `done` future. Two places it can ru
 - `LoopOutputStep`: on the event loop of an async caller. Replica threads post to it; the first
   request of a burst schedules one drain and the rest join it, so the requests of one batched call
   cost a single `call_soon_threadsafe` (one wake-up of the loop) and the replica thread is free
-  for its next call at once. A post from the loop itself (a loop-driven call's reply, a failure at
-  admission, an abort) joins the same drain, scheduled without a wake-up.
+  for its next call at once. The thread completes a merged call's requests inside `one_wake_up()`,
+  so their loop is woken once, after the last: a wake-up written after the first would let the
+  loop (on another core, or given the GIL by the write) drain it alone and need another. A post
+  from the loop itself (a loop-driven call's reply, a failure at admission, an abort) joins the
+  same drain, scheduled without a wake-up.
 - `InlineOutputStep`: on whichever thread got there (a replica thread, for the blocking front and
   the startup warm-up), which then sets a `concurrent.futures.Future`.
 """
@@ -17,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from typing import Any
 
 from omnigraph.stages.request_state import Phase, RequestState
@@ -58,6 +62,25 @@ class InlineOutputStep:
         _settle(request)
 
 
+_deferred = threading.local()  # `steps`: the output steps whose drain this thread's `one_wake_up` owes
+
+
+@contextmanager
+def one_wake_up() -> Iterator[None]:
+    """Posts from this thread inside the block wake each event loop once, at its end."""
+    if getattr(_deferred, "steps", None) is not None:  # nested: the outer block wakes
+        yield
+        return
+    steps: list[LoopOutputStep] = []
+    _deferred.steps = steps
+    try:
+        yield
+    finally:
+        _deferred.steps = None
+        for step in steps:
+            step.schedule_drain()
+
+
 class LoopOutputStep:
     """Finish on one event loop; `done` is an asyncio future of that loop."""
 
@@ -74,8 +97,16 @@ class LoopOutputStep:
         """From any thread: `request` ended or has its outputs; finish it on the loop."""
         with self._lock:
             self._pending.append(request)
-            if len(self._pending) > 1:  # a drain is already scheduled
+            if len(self._pending) > 1:  # a drain is already scheduled (or owed by a `one_wake_up`)
                 return
+        owed = getattr(_deferred, "steps", None)
+        if owed is not None:
+            owed.append(self)
+            return
+        self.schedule_drain()
+
+    def schedule_drain(self) -> None:
+        """Run the drain on the loop: a wake-up from another thread, a callback from the loop's own."""
         try:
             if _running_on(self.loop):  # a loop-driven call's reply, an abort: no wake-up to write
                 self.loop.call_soon(self._drain)
