@@ -75,11 +75,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterator, Mapping
 
 try:
-    from benchmarks.http_echo import DELAY_HEADER
+    from benchmarks.http_echo import DELAY_HEADER, SPIN_HEADER
     from benchmarks.machine import cpu_name
     from benchmarks.processes import stop_process_group
 except ImportError:  # run as a script: this folder is sys.path[0]
-    from http_echo import DELAY_HEADER
+    from http_echo import DELAY_HEADER, SPIN_HEADER
     from machine import cpu_name
     from processes import stop_process_group
 
@@ -574,14 +574,16 @@ def _ort_http(run: Run, name: str, plan: Mapping[str, Any], lengths: list[Length
             for requests in lengths:
                 samples = time_calls(lambda: post(requests.timed), run.args.requests, run.args.warmup)
                 run.add_latency(f"{name} floor", requests, samples, detail="bare ASGI echo under uvicorn")
-            for requests in lengths:
-                e2e_ms = _value(run.rows, name.replace(" http", " e2e"), "p50_ms", requests.length)
-                if e2e_ms is None:
-                    continue
-                headers = {DELAY_HEADER.decode(): str(round(1000 * e2e_ms))}
-                samples = time_calls(lambda: post(requests.timed, headers), run.args.requests, run.args.warmup)
-                run.add_latency(f"{name} floor +e2e", requests, samples, delay_ms=e2e_ms,
-                                detail="the echo answering after the e2e p50, woken from a thread")
+            for suffix, poll, detail in ((" +e2e", {}, "the echo answering after the e2e p50, woken from a thread"),
+                                         (" +e2e polled", {SPIN_HEADER.decode(): "1"},
+                                          "the echo answering after the e2e p50, its event loop polling")):
+                for requests in lengths:
+                    e2e_ms = _value(run.rows, name.replace(" http", " e2e"), "p50_ms", requests.length)
+                    if e2e_ms is None:
+                        continue
+                    headers = {DELAY_HEADER.decode(): str(round(1000 * e2e_ms)), **poll}
+                    samples = time_calls(lambda: post(requests.timed, headers), run.args.requests, run.args.warmup)
+                    run.add_latency(f"{name} floor{suffix}", requests, samples, delay_ms=e2e_ms, detail=detail)
 
 
 @contextlib.contextmanager
