@@ -1,15 +1,18 @@
-"""The README's commands as written: its `curl` commands against the embedded demo server (only the
-address is the test server's), each answered in the shape the README says; its Python snippet as a
-script; and its Cua-S1 block (synthesise, build, serve in process, serve inside vLLM)."""
+"""The README's commands as written: its `omnigraph serve` (on a free port) and its `curl` commands
+against that server (only the address is the test server's), each answered in the shape the README
+says; its deploy-check block; its Python snippet as a script; and its Cua-S1 block (synthesise,
+build, serve in process, serve inside vLLM). Its install and test commands are .ci/run's own."""
 
 import ast
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -35,11 +38,34 @@ def test_the_readme_shows_each_kind_of_question_and_the_openai_route():
     assert any("/v1/chat/completions" in command for command in commands)
 
 
+def readme_serve_command() -> str:
+    """The README's first command that starts the server (after the install it follows, which
+    .ci/run runs), e.g. `.venv/bin/omnigraph serve`."""
+    (line,) = [line for line in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S)[0].splitlines()
+               if "omnigraph serve" in line]
+    return line.split("&&")[-1].strip()
+
+
+@pytest.fixture(scope="module")
+def readme_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The server the README's own command starts, as written but for the venv it runs from (this
+    interpreter's) and the port (a free one, not 8000)."""
+    command = readme_serve_command().replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+    port = free_port()
+    server = ServerProcess(["-c", f"{command} --port {port}"], port=port, executable="bash",
+                           log=tmp_path_factory.mktemp("readme") / "server.log")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
 @pytest.mark.parametrize("command", readme_curl_commands())
-def test_a_readme_curl_command_is_answered_as_the_readme_says(demo_server, command):
+def test_a_readme_curl_command_is_answered_as_the_readme_says(readme_server, command):
     assert README_ADDRESS in command
-    argv = shlex.split(command.replace(README_ADDRESS, demo_server.url.removeprefix("http://")))
+    argv = shlex.split(command.replace(README_ADDRESS, readme_server.url.removeprefix("http://")))
     argv[1:1] = ["--fail-with-body", "--max-time", "60"]
     result = subprocess.run(argv, capture_output=True, text=True, timeout=90)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -102,3 +128,19 @@ def test_the_readme_cua_s1_commands_run_as_written(tmp_path):
         finally:
             server.stop()
 
+
+
+def test_the_readme_deploy_check_block_prints_what_the_readme_shows(tmp_path):
+    """The "Checking a deploy plan" block run as one bash script, as written but for its folders
+    (under tmp_path) and the venv (this interpreter's): its output holds the README's transcript,
+    line by line and in order (a line ending in "..." is a prefix)."""
+    (block,) = [b for b in re.findall(r"```bash\n(.*?)```", README.read_text(), flags=re.S) if "deploy check" in b]
+    (transcript,) = [b for b in re.findall(r"```text\n(.*?)```", README.read_text(), flags=re.S) if "plan OK" in b]
+    script = block.replace("/tmp/", f"{tmp_path}/").replace(".venv/bin/", f"{Path(sys.executable).parent}/")
+    result = subprocess.run(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=600, cwd=README.parent, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    output = iter(result.stdout.replace(f"{tmp_path}/", "/tmp/").splitlines())
+    for expected in transcript.splitlines():
+        prefix = expected.removesuffix("...")
+        assert any(line == expected or (prefix != expected and line.startswith(prefix)) for line in output), \
+            (expected, result.stdout[-3000:])
