@@ -281,7 +281,8 @@ class StageQueue:
             self._ready.notify_all()
 
     def wake_all(self) -> None:
-        """Wake every waiting replica to check its `stop_when` (a replica retired while idle)."""
+        """Wake every waiting replica to check its `stop_when` and `wake_when` (a replica retired
+        while idle; a call an event loop handed to it)."""
         with self._ready:
             self._ready.notify_all()
 
@@ -292,13 +293,17 @@ class StageQueue:
             self._entries = deque(entry for entry in self._entries if entry is STOP)
             return items
 
-    def take(self, stop_when: Callable[[], bool] = lambda: False) -> list[Queued] | Stop:
+    def take(self, stop_when: Callable[[], bool] = lambda: False,
+             wake_when: Callable[[], bool] = lambda: False) -> list[Queued] | Stop:
         """Block for the oldest entry: `STOP`, or the entries of one call led by it. Also `STOP`
-        once `stop_when()` holds while nothing is queued: it is checked again at every `wake_all`."""
+        once `stop_when()` holds, and no entries once `wake_when()` holds, while nothing is queued:
+        both are checked again at every `wake_all`."""
         with self._ready:
             while not self._entries:
                 if stop_when():
                     return STOP
+                if wake_when():
+                    return []
                 self._ready.wait()
             first = self._entries.popleft()
             if first is STOP:

@@ -25,6 +25,7 @@ again item by item, so only the faulty request fails and the worker keeps servin
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import threading
 import time
@@ -104,6 +105,13 @@ def _request_level(error: BaseException) -> bool:
     return isinstance(error, CallRefused) or (isinstance(error, RemoteError) and error.code in _REQUEST_LEVEL_CODES)
 
 
+class LoopDrive(enum.Enum):
+    """How an event loop drives a batch-1 call (`GraphReplica.call_from_loop`)."""
+
+    AWAIT = "await"  # through the socket; the loop's reader on it takes the reply (calls that outlast the spin window)
+    SPIN = "spin"  # through the route's own transport; the loop polls for the reply within the spin window
+
+
 class GraphReplica:
     """One started, loaded and warmed-up worker serving a stage's queue."""
 
@@ -122,6 +130,7 @@ class GraphReplica:
         self._driver = threading.Lock()
         self._stopping = False  # set at shutdown: a thread waiting for the driver gives up
         self._loop_reply: _LoopReply | None = None  # the loop-driven call in flight
+        self._handed: _Call | None = None  # a spun call that outlasted the spin window: the thread's to finish
         self._current: Sequence[WorkItem] = ()
         self._epoch = 0  # the epoch of this replica's calls: raised by every fence
         self.fenced_calls = 0
@@ -247,18 +256,32 @@ class GraphReplica:
 
     def _serve(self) -> None:
         while True:
-            batch = self.stage.queue.take(stop_when=self._retired)
-            if batch is STOP:
+            batch = self.stage.queue.take(stop_when=self._retired, wake_when=self._has_handed)
+            work = [] if batch is STOP else batch
+            if not self._take_driver(work):
                 return
-            if not self._take_driver(batch):
-                return
-            self.stage.batch_stats.record_waits([entry.waited_s for entry in batch])
             try:
-                entries = self._admit(batch)
-                if entries and not self._call(entries):
+                if not self._finish_handed():
+                    self.stage.requeue(work)
                     return
+                if batch is STOP:
+                    return
+                if work:
+                    self.stage.batch_stats.record_waits([entry.waited_s for entry in work])
+                    entries = self._admit(work)
+                    if entries and not self._call(entries):
+                        return
             finally:
                 self._driver.release()
+
+    def _has_handed(self) -> bool:
+        return self._handed is not None
+
+    def _finish_handed(self) -> bool:
+        """With the driver: wait for the call an event loop handed over, if any, and route its
+        reply; False once the replica retired."""
+        handed, self._handed = self._handed, None
+        return handed is None or self._finish_call(handed)
 
     def _take_driver(self, batch: list[Queued]) -> bool:
         """Wait while an event loop drives a call on this worker; False (the batch requeued) once
@@ -426,38 +449,63 @@ class GraphReplica:
 
     # -- an event loop drives a call (the batch-1 path: no thread hand-off) ------------------------
 
-    def claim(self) -> bool:
-        """Take this replica for one call driven from an event loop: False while a call is in
-        flight (or its thread is about to make one), once it retired, or while its calls return
-        within the route's spin window (`spin_wait_us`): the thread that spins for such a reply
-        never sleeps, and a loop would (measured on the 2-core machine, a 9 us graph: AsyncOmni took
-        213 us from the loop against 101 us through the thread); a longer call, a GPU's, wakes two
-        sleeping threads the loop path does without."""
-        if self.last_call_s is not None and self.last_call_s * 1e6 <= self.client.route.spin_wait_us:
-            return False
+    def claim(self, *, alone: bool) -> LoopDrive | None:
+        """Take this replica for one call driven from an event loop, and say how: None while a
+        call is in flight (or its thread is about to make one), once it retired, or for a call the
+        replica's thread should batch. A replica whose calls return within the route's spin window
+        (`spin_wait_us`) is polled by the loop itself (SPIN), but only for a request `alone` in the
+        engine, since the loop serves nothing else meanwhile; a longer call, a GPU's, is sent
+        through the socket and its reply wakes the loop (AWAIT). Either way the request crosses no
+        thread: on the 2-core machine the two hand-offs of the thread's way cost about 65 us."""
+        spins = self.last_call_s is not None and self.last_call_s * 1e6 <= self.client.route.spin_wait_us
+        if spins and not alone:
+            return None
         if not self._driver.acquire(blocking=False):
-            return False
-        if self.retired_reason is not None or self._stopping:
+            return None
+        if self.retired_reason is not None or self._stopping or self._handed is not None:
             self._driver.release()
-            return False
-        return True
+            return None
+        return LoopDrive.SPIN if spins else LoopDrive.AWAIT
 
-    def call_from_loop(self, entry: Queued, loop: asyncio.AbstractEventLoop) -> None:
+    def call_from_loop(self, entry: Queued, loop: asyncio.AbstractEventLoop, drive: LoopDrive) -> None:
         """With the replica claimed: one call for `entry` sent from `loop` (running on this
-        thread), whose reply wakes the loop itself (the worker's socket in `loop.add_reader`) and
-        is completed there, so the request crosses no thread. The reply handling is the thread's
-        (`_close_call`, `_call_failed`), and so are the fence and the hang deadline (`_LoopReply`)."""
+        thread) and completed there, so the request crosses no thread. AWAIT: the reply wakes the
+        loop itself (the worker's socket in `loop.add_reader`); SPIN: the loop polls for it (a
+        reply later than the spin window is handed to the replica's thread). The reply handling is
+        the thread's (`_close_call`, `_call_failed`), and so are the fence and the hang deadline
+        (`_LoopReply`)."""
         call = self._open_call([entry])
         if call is None:
             self._driver.release()
             return
         try:
             self.client.submit(call.inputs, request_id=call.call_id, stage_id=self.stage.stage_id, epoch=self._epoch,
-                               timeout=self.hang_grace_s, via_socket=True)
+                               timeout=self.hang_grace_s, via_socket=drive is LoopDrive.AWAIT)
         except BaseException as exc:
             self.loop_call_failed(call, exc)
             return
-        self._loop_reply = _LoopReply(self, call, loop)
+        if drive is LoopDrive.AWAIT:
+            self._loop_reply = _LoopReply(self, call, loop)
+        else:
+            self._spin_for_reply(call)
+
+    def _spin_for_reply(self, call: _Call) -> None:
+        """Poll for the reply of a call just sent, within the route's spin window (never sleeping);
+        one not back by then goes to the replica's thread, which waits for it as for its own."""
+        try:
+            outputs = self.client.result(time.monotonic())
+        except StaleEpoch:
+            self.loop_call_ended(call, None)
+            return
+        except BaseException as exc:
+            self.loop_call_failed(call, exc)
+            return
+        if outputs is not None:
+            self.loop_call_ended(call, outputs)
+            return
+        self._handed = call  # before the driver is free: no loop claims the replica meanwhile
+        self._driver.release()
+        self.stage.queue.wake_all()
 
     def loop_call_ended(self, call: _Call, outputs: dict[str, np.ndarray] | None) -> None:
         self._loop_reply = None
@@ -700,22 +748,31 @@ class GraphStage:
         loop = _running_loop_of(item) if self.queue.is_empty() else None
         with self._lock:
             self._check_live_locked()
-            replica = self._claim_for_loop_locked() if loop is not None else None
-            if replica is None:
+            claimed = self._claim_for_loop_locked() if loop is not None else None
+            if claimed is None:
                 self.queue.put(item)
                 return
-        replica.call_from_loop(self.queue.entry(item), loop)  # type: ignore[arg-type]  # not None with a replica
+        replica, drive = claimed
+        replica.call_from_loop(self.queue.entry(item), loop, drive)  # type: ignore[arg-type]  # not None if claimed
 
-    def _claim_for_loop_locked(self) -> GraphReplica | None:
-        """An idle replica claimed for a loop-driven call, when one may be made now: nothing is
-        queued, and the stage merges no calls or no other request is in flight (under load the
-        replicas' threads batch)."""
+    def _claim_for_loop_locked(self) -> tuple[GraphReplica, LoopDrive] | None:
+        """An idle replica claimed for a loop-driven call, and how the loop drives it, when one may
+        be made now: nothing is queued, and the stage merges no calls or no other request is in
+        flight (under load the replicas' threads batch)."""
         queue = self.queue
         if not queue.is_empty():
             return None
-        if queue.limits.max_rows > 1 and (self._requests_in_flight is None or self._requests_in_flight() > 1):
+        lone = self._requests_in_flight is not None and self._requests_in_flight() <= 1
+        if queue.limits.max_rows > 1 and not lone:
             return None
-        return next((replica for replica in self.replicas if replica.claim()), None)
+        # Polling blocks the loop: only for the one request admitted (none whose caller has yet to
+        # take its result, who would send the next one meanwhile: those go to the thread, which batches).
+        alone = lone and queue.admitted_requests is not None and queue.admitted_requests() <= 1
+        for replica in self.replicas:
+            drive = replica.claim(alone=alone)
+            if drive is not None:
+                return replica, drive
+        return None
 
     def requeue(self, entries: Sequence[Queued]) -> None:
         """Entries a retired replica took but never called: to the next live replica, or failed."""

@@ -49,17 +49,61 @@ def test_a_lone_request_is_called_from_its_loop_and_requests_under_load_by_the_r
     assert first == (True, True) and rest and len(rest) < 7 and all(on_loop is False for on_loop, _ in rest)
 
 
-def test_calls_that_return_within_the_spin_window_stay_with_the_replica_thread(make_plan, engine):
+async def answer(omni, prompt, request_id):
+    """One request's output, its generator read to the end (which acknowledges the result, as a
+    caller that reads it out does): the next request then finds no other admitted."""
+    async for output in omni.generate(prompt, request_id=request_id):
+        final = output
+    return final
+
+
+def test_a_lone_call_that_returns_within_the_spin_window_is_polled_for_by_its_loop(make_plan, engine):
     async def serve():
         async with AsyncOmni(deploy_config=make_plan("affine", spin_wait_us=100_000)) as omni:
             calls = record_calls(omni)
-            for i in range(3):
-                await engine.first(omni, SMALL, f"alone-{i}")
-            return calls
+            outputs = [await answer(omni, SMALL, f"alone-{i}") for i in range(3)]
+            return calls, outputs, engine.replicas(omni)
 
-    # the first call is the loop's (nothing is known yet); it returned within 100 ms, so the thread,
-    # spinning for such a reply, takes the next ones
-    assert asyncio.run(serve()) == [(True, True), (False, False), (False, False)]
+    calls, outputs, (replica,) = asyncio.run(serve())
+    # the first call's reply wakes the loop (nothing is known yet); it returned within 100 ms, so the
+    # loop sends the next ones through the mailbox and polls for their replies itself
+    assert calls == [(True, True), (True, False), (True, False)]
+    for output in outputs:
+        np.testing.assert_allclose(output.custom_output["y"], np.ones((4, 4), np.float32) * 2 + 1)
+    assert replica["calls"] == 3 and replica["fenced_calls"] == 0
+
+
+def test_a_polled_call_that_outlasts_the_spin_window_is_finished_by_the_replica_thread(make_plan, engine):
+    async def serve():
+        async with AsyncOmni(deploy_config=make_plan("slow", spin_wait_us=100_000)) as omni:
+            calls = record_calls(omni)
+            quick = await answer(omni, SMALL, "quick")  # teaches the replica its calls are short
+            slow = await answer(omni, MEDIUM, "slow")  # polled for 100 ms, then the thread's
+            after = await answer(omni, SMALL, "after")
+            return calls, (quick, slow, after), engine.replicas(omni)
+
+    calls, outputs, (replica,) = asyncio.run(serve())
+    # (the third call is the loop's, or the thread's if it still held the replica when the loop came)
+    assert calls[:2] == [(True, True), (True, False)] and len(calls) == 3
+    assert [output.custom_output["h200"].shape for output in outputs] == [(4, 4), (384, 384), (4, 4)]
+    assert replica["calls"] == 3 and replica["state"] == "serving" and replica["fenced_calls"] == 0
+
+
+def test_short_calls_under_load_go_to_the_replica_thread(make_plan, engine):
+    async def serve():
+        async with AsyncOmni(deploy_config=make_plan("affine", spin_wait_us=100_000)) as omni:
+            await answer(omni, SMALL, "teach")  # its calls return within the spin window
+            calls = record_calls(omni)
+            outputs = await asyncio.gather(*(answer(omni, SMALL, f"load-{i}") for i in range(8)))
+            return calls, outputs
+
+    calls, outputs = asyncio.run(serve())
+    for output in outputs:
+        np.testing.assert_allclose(output.custom_output["y"], np.ones((4, 4), np.float32) * 2 + 1)
+    # the first, alone when it came, is polled for by the loop; the seven admitted before its caller
+    # took its result are not (a loop that polls serves nothing else): the replica's thread calls them
+    first, *rest = calls
+    assert first == (True, False) and rest and all(on_loop is False for on_loop, _ in rest)
 
 
 def test_a_loop_that_ends_with_its_call_in_flight_hands_the_call_to_the_replica_thread(make_plan, engine):
