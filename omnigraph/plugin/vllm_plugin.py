@@ -108,7 +108,8 @@ class OmnigraphEndpointPlugin:
 
     def attach_router(self, app: FastAPI) -> None:
         from omnigraph.plugin.api import decision, probes
-        from omnigraph.plugin.api.errors import ApiError, api_error_handler
+        from omnigraph.plugin.api.app import RequestMetrics, counted_api_error
+        from omnigraph.plugin.api.errors import ApiError
         from omnigraph.plugin.api.routing import PlainRoute
 
         # Routes straight on the app (not an included router), so vLLM sees each one when it
@@ -120,7 +121,9 @@ class OmnigraphEndpointPlugin:
             routes.append(("/ready", probes.ready, "GET"))  # as `omnigraph serve` has it
         for path, endpoint, method in routes:
             app.router.add_api_route(path, endpoint, methods=[method], route_class_override=PlainRoute)
-        app.add_exception_handler(ApiError, api_error_handler)
+        app.add_exception_handler(ApiError, counted_api_error)
+        # omnigraph's requests and outcomes, counted as `omnigraph serve` counts them (vLLM counts its own)
+        app.add_middleware(RequestMetrics, paths=frozenset(path for path, _, method in routes if method == "POST"))
 
     async def init_state(self, engine_client: Any, state: Any, args: Namespace) -> None:
         """Start the pipeline in the background; the routes answer 503 until its warmup passed.
@@ -137,6 +140,7 @@ class OmnigraphEndpointPlugin:
         served = None if engine_client is None else ServedEngine(engine_client, asyncio.get_running_loop())
         service = build_service(**_pipeline_source(args), deadline_s=request_deadline_from_env(), served_engine=served)
         attach_service(state, service, registry=REGISTRY)
+        state.metrics.count_outcomes()
         state.omnigraph_start = asyncio.get_running_loop().create_task(_start_or_stop_the_server(service))
         atexit.register(service.shutdown)  # vLLM's lifespan does not know this engine
 

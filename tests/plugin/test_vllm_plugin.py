@@ -105,8 +105,16 @@ def test_vllm_render_server_answers_like_omnigraph_serve(demo_server, tmp_path):
         assert inside_vllm.status_code == 200, inside_vllm.text
         assert inside_vllm.json() == standalone.json()
         assert httpx.get(f"{base}/health").status_code == 200  # vLLM's own routes stay
-        assert 'omnigraph_stage_duration_seconds_count{model_name="laya",stage="decision"}' in httpx.get(
-            f"{base}/metrics").text  # in vLLM's registry, which keeps its own process_* collectors
+        refused = httpx.post(f"{base}/v1/systemone", json={"state": "hi", "questions": {"q": {"type": "maybe"}}},
+                             timeout=60)
+        assert refused.status_code == 422, refused.text
+        metrics = httpx.get(f"{base}/metrics").text  # in vLLM's registry, which keeps its own process_* collectors
+        assert 'omnigraph_stage_duration_seconds_count{model_name="laya",stage="decision"}' in metrics
+        # omnigraph's requests and outcomes are counted inside vLLM as `omnigraph serve` counts them
+        assert 'omnigraph_request_outcomes_total{model_name="laya",outcome="ok"} 1.0' in metrics
+        assert 'omnigraph_request_outcomes_total{model_name="laya",outcome="invalid_request"} 1.0' in metrics
+        assert 'omnigraph_http_requests_total{model_name="laya",route="/v1/systemone",status="422"} 1.0' in metrics
+        assert 'route="/health"' not in metrics  # vLLM's own routes are vLLM's to count
 
 
 def _model_config(**changes):

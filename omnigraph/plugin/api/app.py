@@ -26,19 +26,26 @@ from omnigraph.plugin.api.routing import PlainRoute
 from omnigraph.plugin.api.service import DecisionService
 
 
-class _RequestMetrics:
+class RequestMetrics:
     """ASGI middleware counting every HTTP response by route template and status, with its latency;
     a decision route's answer also as an outcome ("ok", or the code of its `ApiError`, which
-    `_counted_api_error` and `BearerKeyAuth` leave in the request's state). A decision route
+    `counted_api_error` and `BearerKeyAuth` leave in the request's state). A decision route
     refused before routing (401) is counted under its path. Prompt tokens are counted where each
-    decision is in hand (handling.run_decision), not read back from the answer."""
+    decision is in hand (handling.run_decision), not read back from the answer.
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+    `metrics` None: the app's own (`app.state.metrics`, which `attach_service` sets when vLLM
+    starts the plugin); with `paths`, only requests to those paths are counted (inside vLLM:
+    omnigraph's routes, not vLLM's)."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics | None = None, *,
+                 paths: frozenset[str] | None = None) -> None:
         self.app = app
         self.metrics = metrics
+        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        metrics = self.metrics or getattr(getattr(scope.get("app"), "state", None), "metrics", None)
+        if scope["type"] != "http" or metrics is None or (self.paths is not None and scope["path"] not in self.paths):
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
@@ -55,15 +62,16 @@ class _RequestMetrics:
             await self.app(scope, receive, send_and_record)
         finally:
             route = getattr(scope.get("route"), "path", None) or _unrouted(scope["path"])
-            self.metrics.observe_request(route, status, time.perf_counter() - started)
+            metrics.observe_request(route, status, time.perf_counter() - started)
             if route in DECISION_ROUTES:
-                self._observe_outcome(status, state.get(ERROR_CODE_STATE))
+                _observe_outcome(metrics, status, state.get(ERROR_CODE_STATE))
 
-    def _observe_outcome(self, status: int, code: str | None) -> None:
-        if 200 <= status < 300:
-            self.metrics.observe_outcome("ok")
-        else:  # a 500 no handler of ours answered is an unexpected error's
-            self.metrics.observe_outcome(code or ("internal_error" if status == 500 else f"http_{status}"))
+
+def _observe_outcome(metrics: ServerMetrics, status: int, code: str | None) -> None:
+    if 200 <= status < 300:
+        metrics.observe_outcome("ok")
+    else:  # a 500 no handler of ours answered is an unexpected error's
+        metrics.observe_outcome(code or ("internal_error" if status == 500 else f"http_{status}"))
 
 
 def _unrouted(path: str) -> str:
@@ -72,7 +80,7 @@ def _unrouted(path: str) -> str:
     return path if path in DECISION_ROUTES else "unmatched"
 
 
-async def _counted_api_error(request: Request, error: Exception) -> Response:
+async def counted_api_error(request: Request, error: Exception) -> Response:
     """`api_error_handler`, leaving the error's code for the middleware's outcome count."""
     if isinstance(error, ApiError):
         setattr(request.state, ERROR_CODE_STATE, error.code)
@@ -118,7 +126,7 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
                   docs_url=None, redoc_url=None)  # add_offline_docs serves /docs without a CDN
     add_offline_docs(app)
     attach_service(app.state, service, max_body_bytes=max_body_bytes)
-    app.add_exception_handler(ApiError, _counted_api_error)
+    app.add_exception_handler(ApiError, counted_api_error)
     app.add_exception_handler(Exception, unexpected_error_handler)
     app.include_router(decision.router)
     app.include_router(openai_routes.router)
@@ -127,6 +135,6 @@ def build_app(service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
                              route_class_override=PlainRoute)
     if api_key is not None:
         app.add_middleware(BearerKeyAuth, api_key=api_key)  # inside the metrics: a 401 is counted
-    app.add_middleware(_RequestMetrics, metrics=app.state.metrics)
+    app.add_middleware(RequestMetrics, metrics=app.state.metrics)
     app.state.metrics.count_outcomes()
     return app
