@@ -11,9 +11,9 @@ execution plan's `describe()` dicts.
 
 Under `omnigraph serve` the registry also holds the `process_*` and `python_*` collectors, and the
 `vllm:*` families of an in-process vLLM engine (which registers them in prometheus_client's default
-registry). Inside `vllm serve` the metrics join vLLM's own registry, which has those already; the
-HTTP, outcome and prompt-token counters are the app middleware's (plugin/api/app.py), so only
-`omnigraph serve` updates them.
+registry). Inside `vllm serve` the metrics join vLLM's own registry, which has those already. The
+HTTP, outcome and prompt-token counters are updated by `RequestMetrics` (plugin/api/app.py) under
+both servers; inside `vllm serve` it counts omnigraph's routes only, vLLM's routes are vLLM's.
 """
 
 from __future__ import annotations
