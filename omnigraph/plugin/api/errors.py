@@ -8,6 +8,7 @@ exception classes.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import Request
@@ -15,6 +16,8 @@ from fastapi.responses import JSONResponse
 
 from omnigraph.plugin.api.body import BodyError
 from omnigraph.plugin.api.request_ids import REQUEST_ID_HEADER, request_id
+
+logger = logging.getLogger("omnigraph.plugin.api")
 
 OPENAI_PATH_PREFIXES = ("/v1/chat/", "/v1/models")
 #: Where an error answered for a request leaves its code for the metrics middleware's outcome count
@@ -70,9 +73,13 @@ def is_openai_path(path: str) -> bool:
 
 async def api_error_handler(request: Request, error: Exception) -> JSONResponse:
     """The error in its route family's shape, with the request's id (`X-Request-Id`; a decision
-    route's body also carries it as `request_id`)."""
+    route's body also carries it as `request_id`), and a log line naming the id, so an operator
+    finds the answer a client reports: INFO for the client's fault, WARNING for the server's."""
     assert isinstance(error, ApiError)
     shared = request_id(request)
+    logger.log(logging.WARNING if error.status >= 500 else logging.INFO, "request %s: %s %s %d %s: %s%s",
+               shared, request.method, request.url.path, error.status, error.code,
+               "" if error.field is None else f"{error.field}: ", error.message)
     if is_openai_path(request.url.path):
         body = openai_error_body(error)
     else:
