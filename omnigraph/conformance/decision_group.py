@@ -8,9 +8,10 @@ sends none.
 
 `setup`: `{"ready_path", "ready_timeout_s", "answers_for"?}`: before the first case the runner polls
 GET ready_path until it answers 200 (a server answers 503 while it warms up), failing the group if
-it never does; a target that refuses every connection for DEAD_TARGET_GRACE_S fails it at once
-(nothing listens). `answers_for`: `{"model", "checkpoint_revision", "precision"}`, the model the
-expected answers were produced on: the runner reads the served model's
+it never does; a target where nothing listens (connections refused for longer than the target's
+`listen_wait_s`, by default at the first refusal) fails it at once. `answers_for`: `{"model",
+"checkpoint_revision", "precision"}`, the model the expected answers were produced on: the runner
+reads the served model's
 `avrik.hashes.checkpoint_revision` (GET /v1/models) and `precision` (GET /health) first, and a
 server that serves another model, or does not say which, has every case that expects answers
 skipped with that reason (the status cases still run).
@@ -40,10 +41,6 @@ from omnigraph.conformance.targets import Target
 REQUEST_TIMEOUT_S = 120.0
 JSON_CONTENT_TYPE = "application/json"
 READY_POLL_S = 0.5
-# Why: a server binds its port once its imports are done (a few seconds; up to ~10 s on a loaded
-# 2-core machine) and answers 503 while it warms up; a port that still refuses connections after
-# this is not a server starting but a dead target, which should not cost the whole ready timeout.
-DEAD_TARGET_GRACE_S = 30.0
 
 
 class ServerNotReady(RuntimeError):
@@ -54,7 +51,8 @@ class ServerNotReady(RuntimeError):
 def open_runner(group: Group, target: Target) -> Iterator[CaseRunner]:
     parts = urlsplit(target.base_url)
     connection_class = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    _wait_ready(connection_class, parts.netloc, group.setup["ready_path"], group.setup["ready_timeout_s"])
+    _wait_ready(connection_class, parts.netloc, group.setup["ready_path"], group.setup["ready_timeout_s"],
+                target.listen_wait_s)
     answers_for = group.setup.get("answers_for")
     other_model = None if answers_for is None else _other_model(connection_class, parts.netloc, answers_for)
 
@@ -105,7 +103,9 @@ def _get_json(connection_class: type, netloc: str, path: str) -> Any:
         return None
 
 
-def _wait_ready(connection_class: type, netloc: str, path: str, timeout_s: float) -> None:
+def _wait_ready(connection_class: type, netloc: str, path: str, timeout_s: float, listen_wait_s: float) -> None:
+    """Poll GET `path` until 200 within `timeout_s`; refused connections past `listen_wait_s`
+    fail at once (ServerNotReady), not after the whole timeout."""
     started = time.monotonic()
     deadline = started + timeout_s
     last = "no answer"
@@ -119,9 +119,10 @@ def _wait_ready(connection_class: type, netloc: str, path: str, timeout_s: float
                 return
             last = f"status {response.status}"
         except ConnectionRefusedError as exc:
-            if time.monotonic() - started >= DEAD_TARGET_GRACE_S:
-                raise ServerNotReady(f"nothing listens at {netloc}: connections refused for "
-                                     f"{DEAD_TARGET_GRACE_S:g} s ({exc})") from None
+            if time.monotonic() - started >= listen_wait_s:
+                waited = f" for {listen_wait_s:g} s" if listen_wait_s else ""
+                raise ServerNotReady(f"nothing listens at {netloc}: connection refused{waited} ({exc}); start "
+                                     "the server first, or give it --listen-wait-s to bind its port") from None
             last = f"{type(exc).__name__}: {exc}"
         except (OSError, http.client.HTTPException) as exc:
             last = f"{type(exc).__name__}: {exc}"

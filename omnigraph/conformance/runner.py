@@ -47,9 +47,10 @@ def run_suite(suite: str = "v1", target: str | Target = "inproc", group: str | N
     return SuiteReport(suite=suite, target=str(target), results=tuple(results))
 
 
-def run_suite_cli(*, suite: str, target: str, group: str | None, report: str | None) -> int:
+def run_suite_cli(*, suite: str, target: str, group: str | None, report: str | None,
+                  listen_wait_s: float = 0.0) -> int:
     """`omnigraph conformance run`: print the table, write the JSON report if asked; 0 only when nothing failed."""
-    outcome = run_suite(suite, target, group)
+    outcome = run_suite(suite, parse_target(target, listen_wait_s=listen_wait_s), group)
     print(outcome.format_table())
     if report is not None:
         outcome.write_json(Path(report))

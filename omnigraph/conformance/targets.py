@@ -27,6 +27,13 @@ class Target:
     kind: str  # "inproc" | "worker" | "http"
     command: tuple[str, ...] = ()  # worker: the argv that starts a worker (a socket path is appended)
     base_url: str = ""  # http: scheme://host:port, no trailing slash
+    # http: how long connections refused are retried before the target counts as dead (a server
+    # still binding its port); 0 fails at the first refusal.
+    listen_wait_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.listen_wait_s >= 0 and self.listen_wait_s != float("inf")):
+            raise TargetInvalid(f"listen_wait_s must be a finite number of seconds >= 0, got {self.listen_wait_s!r}")
 
     def __str__(self) -> str:
         if self.kind == "worker":
@@ -39,8 +46,9 @@ class Target:
         return group in GROUPS_BY_KIND[self.kind]
 
 
-def parse_target(text: str) -> Target:
-    """`inproc`, `worker:<shell-quoted command>`, or `http://HOST:PORT` (https too)."""
+def parse_target(text: str, *, listen_wait_s: float = 0.0) -> Target:
+    """`inproc`, `worker:<shell-quoted command>`, or `http://HOST:PORT` (https too; `listen_wait_s`
+    is its Target's)."""
     if text == "inproc":
         return Target(kind="inproc")
     if text.startswith("worker:"):
@@ -55,5 +63,5 @@ def parse_target(text: str) -> Target:
         parts = urlsplit(text)
         if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.fragment:
             raise TargetInvalid(f"http target must be scheme://HOST:PORT with no path, got {text!r}")
-        return Target(kind="http", base_url=f"{parts.scheme}://{parts.netloc}")
+        return Target(kind="http", base_url=f"{parts.scheme}://{parts.netloc}", listen_wait_s=listen_wait_s)
     raise TargetInvalid(f"target must be inproc, worker:'<command>' or http://HOST:PORT, got {text!r}")

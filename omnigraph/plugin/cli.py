@@ -112,7 +112,8 @@ def _deploy_check(args: argparse.Namespace) -> int:
 def _conformance_run(args: argparse.Namespace) -> int:
     from omnigraph.conformance.runner import run_suite_cli
 
-    return run_suite_cli(suite=args.suite, target=args.target, group=args.group, report=args.report)
+    return run_suite_cli(suite=args.suite, target=args.target, group=args.group, report=args.report,
+                         listen_wait_s=args.listen_wait_s)
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -204,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--target", required=True, help="inproc | worker:'<command>' | http://HOST:PORT")
     run.add_argument("--group", default=None, help="one group of the suite (none: every group the target runs)")
     run.add_argument("--report", default=None, help="write the full report as JSON here")
+    run.add_argument("--listen-wait-s", type=float, default=0.0,
+                     help="http: retry refused connections this long (a server still binding its port); "
+                          "0 fails a target where nothing listens at once")
     return parser
 
 
