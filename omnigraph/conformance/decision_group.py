@@ -73,8 +73,9 @@ def _other_model(connection_class: type, netloc: str, answers_for: Any) -> str |
     cards = _get_json(connection_class, netloc, "/v1/models")
     health = _get_json(connection_class, netloc, "/health")
     entries = cards.get("data") if isinstance(cards, dict) else None
-    first = entries[0] if isinstance(entries, list) and entries and isinstance(entries[0], dict) else {}
-    avrik = first.get("avrik")
+    # the first entry with System One's fields (inside `vllm serve`, vLLM's own models are listed too)
+    avrik = next((entry["avrik"] for entry in entries if isinstance(entry, dict) and "avrik" in entry), None) \
+        if isinstance(entries, list) else None
     hashes = avrik.get("hashes") if isinstance(avrik, dict) else None
     revision = hashes.get("checkpoint_revision") if isinstance(hashes, dict) else None
     precision = health.get("precision") if isinstance(health, dict) else None

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from omnigraph.conformance.runner import run_suite
 from omnigraph.pipelines.registry import get_pipeline
 from omnigraph.plugin.vllm_plugin import OmnigraphEndpointPlugin, _pipeline_source, register
 
@@ -37,15 +38,66 @@ def test_endpoint_plugin_attaches_the_decision_routes():
     assert "get" in paths["/v1/systemone/ready"] and "get" in paths["/ready"]  # the paths omnigraph serve has
 
 
+def _vllm_like_app(engine_alive):
+    """An app with vLLM's own `/health` and `/v1/models` handlers' form (each takes the request alone)."""
+    from fastapi import Request, Response
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health(raw_request: Request) -> Response:
+        return Response(status_code=200 if engine_alive() else 503)
+
+    @app.get("/v1/models")
+    async def show_available_models(raw_request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": "english", "object": "model", "owned_by": "vllm", "max_model_len": 4096},
+            {"id": "english-lora", "object": "model", "owned_by": "vllm", "parent": "english"}]})
+
+    return app
+
+
+def test_inside_vllm_health_and_models_keep_vllms_answers_and_add_system_ones_fields():
+    from fastapi.testclient import TestClient
+    from prometheus_client import CollectorRegistry
+
+    from omnigraph.plugin.api.app import attach_service
+    from omnigraph.plugin.api.service import DecisionService
+
+    alive = [True]
+    app = _vllm_like_app(lambda: alive[0])
+    OmnigraphEndpointPlugin().attach_router(app)
+    service = DecisionService(lambda cancel: None, model_name="cua_s1", served_model_names=["english", "en"])
+    attach_service(app.state, service, registry=CollectorRegistry())
+    client = TestClient(app)
+
+    entries = client.get("/v1/models").json()["data"]
+    assert [entry["id"] for entry in entries] == ["english", "english-lora", "en"]
+    assert entries[0]["max_model_len"] == 4096 and entries[0]["owned_by"] == "vllm"  # vLLM's fields stay
+    assert entries[0]["name"] == "english" and set(entries[0]["avrik"]) == {"hashes", "backend", "limits"}
+    assert "avrik" not in entries[1]  # vLLM's other models are vLLM's
+    assert entries[2]["owned_by"] == "omnigraph" and entries[2]["avrik"] == entries[0]["avrik"]
+
+    health = client.get("/health")  # the pipeline has not started: alive, not ready
+    assert health.status_code == 200 and health.json()["status"] == "backend_unavailable"
+    assert set(health.json()) >= {"model_hash", "calibration_version", "prompt_template_sha256", "backend",
+                                  "precision"}
+    alive[0] = False  # vLLM's engine died: vLLM's own answer
+    assert client.get("/health").status_code == 503 and client.get("/health").content == b""
+
+
 def test_the_served_pipeline_comes_from_env_then_a_bundle_model_dir(tmp_path, monkeypatch):
     for name in ("OMNIGRAPH_DEPLOY_CONFIG", "OMNIGRAPH_BUNDLE", "OMNIGRAPH_MODEL"):
         monkeypatch.delenv(name, raising=False)
-    assert _pipeline_source(Namespace(model=str(tmp_path))) == {"model": None, "bundle": None, "deploy_config": None}
+    assert _pipeline_source(Namespace(model=str(tmp_path))) == {"model": None, "bundle": None, "deploy_config": None,
+                                                                "served_model_names": None}
     (tmp_path / "manifest.json").write_text("{}")
     assert _pipeline_source(Namespace(model=str(tmp_path)))["bundle"] == str(tmp_path)
     monkeypatch.setenv("OMNIGRAPH_DEPLOY_CONFIG", "/plans/laya.yaml")
-    assert _pipeline_source(Namespace(model=str(tmp_path))) == {
-        "model": None, "bundle": None, "deploy_config": "/plans/laya.yaml"}
+    # vLLM's served names name vLLM's model, not a pipeline the environment names
+    assert _pipeline_source(Namespace(model=str(tmp_path), served_model_name=["llama"])) == {
+        "model": None, "bundle": None, "deploy_config": "/plans/laya.yaml", "served_model_names": None}
 
 
 def test_a_head_bundles_backbone_folder_names_the_bundle_and_its_pipeline(tmp_path, monkeypatch):
@@ -56,9 +108,12 @@ def test_a_head_bundles_backbone_folder_names_the_bundle_and_its_pipeline(tmp_pa
         monkeypatch.delenv(name, raising=False)
     bundle = _head_bundle_with_backbone(tmp_path / "bundle", pack_bundle)
     assert _pipeline_source(Namespace(model=str(bundle / "backbone"))) == {
-        "model": "cua_s1", "bundle": str(bundle), "deploy_config": None}
+        "model": "cua_s1", "bundle": str(bundle), "deploy_config": None, "served_model_names": None}
+    # the pipeline vLLM's --model names is served under vLLM's --served-model-name too
+    assert _pipeline_source(Namespace(model=str(bundle / "backbone"), served_model_name=["english", "en"]))[
+        "served_model_names"] == ["english", "en"]
     assert _pipeline_source(Namespace(model=str(tmp_path / "elsewhere"))) == {
-        "model": None, "bundle": None, "deploy_config": None}
+        "model": None, "bundle": None, "deploy_config": None, "served_model_names": None}
     monkeypatch.setenv("OMNIGRAPH_MODEL", "open_jev")  # what the environment names wins
     assert _pipeline_source(Namespace(model=str(bundle / "backbone")))["model"] == "open_jev"
 
@@ -104,7 +159,11 @@ def test_vllm_render_server_answers_like_omnigraph_serve(demo_server, tmp_path):
         standalone = httpx.post(f"{demo_server.url}/v1/systemone", json=REFUND_REQUEST, timeout=60)
         assert inside_vllm.status_code == 200, inside_vllm.text
         assert inside_vllm.json() == standalone.json()
-        assert httpx.get(f"{base}/health").status_code == 200  # vLLM's own routes stay
+        health = httpx.get(f"{base}/health")  # vLLM's, with the System One body of omnigraph serve's
+        assert health.status_code == 200 and health.json() == httpx.get(f"{demo_server.url}/health").json()
+        [ours] = [entry for entry in httpx.get(f"{base}/v1/models").json()["data"] if entry["id"] == "laya"]
+        assert ours["avrik"]["hashes"] == httpx.get(f"{demo_server.url}/v1/models").json()["data"][0]["avrik"][
+            "hashes"]
         refused = httpx.post(f"{base}/v1/systemone", json={"state": "hi", "questions": {"q": {"type": "maybe"}}},
                              timeout=60)
         assert refused.status_code == 422, refused.text
@@ -115,6 +174,9 @@ def test_vllm_render_server_answers_like_omnigraph_serve(demo_server, tmp_path):
         assert 'omnigraph_request_outcomes_total{model_name="laya",outcome="invalid_request"} 1.0' in metrics
         assert 'omnigraph_http_requests_total{model_name="laya",route="/v1/systemone",status="422"} 1.0' in metrics
         assert 'route="/health"' not in metrics  # vLLM's own routes are vLLM's to count
+        # the conformance runner's HTTP target works against vLLM's server as against omnigraph serve
+        report = run_suite("v1", base, "decision")
+        assert report.ok and report.counts()["decision"]["skipped"] == 0, report.format_table()
 
 
 def _model_config(**changes):
@@ -195,13 +257,19 @@ def test_vllm_serve_runs_the_backbone_of_a_mixed_pipeline_in_its_own_engine(tmp_
     with running_server(
         ["-c", VLLM_SERVE, "--model", str(backbone), "--runner", "pooling", "--convert", "embed",
          "--dtype", "float32", "--max-model-len", str(layout["max_model_len"]), "--enforce-eager",
-         "--kv-cache-memory-bytes", str(64 << 20), "--host", "127.0.0.1", "--port", str(port)],
+         "--kv-cache-memory-bytes", str(64 << 20), "--served-model-name", "english",
+         "--host", "127.0.0.1", "--port", str(port)],
         port=port, ready_path="/v1/systemone/ready", log_path=tmp_path / "vllm.log",
-        env={"VLLM_PLUGINS": "omnigraph,omnigraph-pipelines", "OMNIGRAPH_MODEL": "cua_s1",
-             "OMNIGRAPH_BUNDLE": str(bundle.root)},
+        env={"VLLM_PLUGINS": "omnigraph,omnigraph-pipelines"},  # the backbone folder names its bundle
     ) as base:
-        response = httpx.post(f"{base}/v1/systemone", json=CUA_REQUEST, timeout=60)
+        response = httpx.post(f"{base}/v1/systemone", json={**CUA_REQUEST, "model": "english"}, timeout=60)
         assert response.status_code == 200, response.text
+        # one name on both: the decisions answer as the model vLLM's /v1/models lists, with its System One card
+        assert response.json()["model"] == "english"
+        [listed] = httpx.get(f"{base}/v1/models").json()["data"]
+        assert listed["id"] == listed["name"] == "english" and listed["owned_by"] == "vllm"
+        assert listed["avrik"]["hashes"]["model_hash"] == response.json()["audit"]["model_hash"]
+        assert httpx.get(f"{base}/health").json()["status"] == "ok"
         import vllm
         # the backbone ran in the server's own engine, the head in an ORT worker
         assert response.json()["audit"]["backend"].startswith(

@@ -88,10 +88,12 @@ async def counted_api_error(request: Request, error: Exception) -> Response:
 
 
 def attach_service(state: Any, service: DecisionService, *, max_body_bytes: int = MAX_BODY_BYTES,
-                   registry: CollectorRegistry | None = None) -> None:
+                   registry: CollectorRegistry | None = None, drain_refused_bytes: int = 0) -> None:
     """Put on `state` (an app's, or vLLM's) what the routes read: the service, its metrics, the
-    body cap and the start time."""
+    body cap, how much of an over-cap body to drain before its 413 (handling.read_json) and the
+    start time."""
     state.service = service
+    state.drain_refused_bytes = drain_refused_bytes
     readings = EngineReadings(queue_depth=service.queue_depth, engine=service.metrics,
                               requests_by_phase=service.requests_by_phase, stage_names=service.stage_names)
     state.metrics = ServerMetrics(service.model_name, readings, registry=registry)

@@ -63,6 +63,17 @@ async def read_capped(chunks: AsyncIterator[bytes], content_length: str | None,
     return bytes(received)
 
 
+async def drain(chunks: AsyncIterator[bytes], limit: int) -> bool:
+    """Read and discard the rest of a refused body: True when it ended within `limit` more bytes
+    (the connection can then carry the client's next request), False past it."""
+    discarded = 0
+    async for chunk in chunks:
+        discarded += len(chunk)
+        if discarded > limit:
+            return False
+    return True
+
+
 def _find_lone_surrogate(value: Any) -> bool:
     """Walk the parsed value with an explicit stack (JSON nests deeper than Python recursion)."""
     stack = [value]

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from starlette.requests import ClientDisconnect
 
-from omnigraph.plugin.api.body import BodyError, check_content_type, parse_strict_json, read_capped
+from omnigraph.plugin.api.body import BodyError, check_content_type, drain, parse_strict_json, read_capped
 from omnigraph.plugin.api.errors import ApiError
 from omnigraph.plugin.api.service import Decision
 
@@ -24,15 +24,31 @@ access_log = logging.getLogger("uvicorn.access")
 
 
 async def read_json(request: Request, max_bytes: int) -> Any:
-    """The parsed body: 415 for a non-JSON content type, 413 past `max_bytes`, 400 for unusable JSON."""
+    """The parsed body: 415 for a non-JSON content type, 413 past `max_bytes`, 400 for unusable JSON.
+
+    A 413's unread rest is drained first where the server cannot close a connection gracefully
+    (the app state's `drain_refused_bytes`, set inside `vllm serve`): closing with unread bytes
+    resets the connection, and the client never reads its 413. `omnigraph serve`'s connections do
+    a lingering close themselves (connections.py)."""
     try:
         check_content_type(request.headers.get("content-type"))
         raw = await read_capped(request.stream(), request.headers.get("content-length"), max_bytes)
         return parse_strict_json(raw)
     except BodyError as error:
-        raise ApiError.from_body_error(error) from None
+        refused = ApiError.from_body_error(error)
+        if error.status == 413 and await _drained(request):
+            refused.headers = {}  # the whole body was read: the connection can carry the next request
+        raise refused from None
     except ClientDisconnect:
         raise client_went_away(request, "while sending its body") from None
+
+
+async def _drained(request: Request) -> bool:
+    limit = getattr(request.app.state, "drain_refused_bytes", 0)
+    try:
+        return limit > 0 and await drain(request.stream(), limit)
+    except ClientDisconnect:
+        return False
 
 
 def client_went_away(request: Request, when: str) -> ApiError:

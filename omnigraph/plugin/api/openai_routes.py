@@ -49,11 +49,15 @@ router = APIRouter(route_class=PlainRoute)
 async def models(request: Request) -> JSONResponse:
     """OpenAI's model list, one entry per served name (the first is the name answers carry), each
     also a System One model entry."""
+    return JSONResponse(ModelList(data=model_cards(request)).model_dump())
+
+
+def model_cards(request: Request) -> list[ModelCard]:
+    """The app's served model as OpenAI model objects carrying System One's fields, one per served name."""
     service: DecisionService = request.app.state.service
     server_limits = {"max_batch_states": MAX_BATCH_STATES, "max_body_bytes": request.app.state.max_body_bytes}
-    cards = ModelList(data=[ModelCard(id=card["name"], created=request.app.state.started_at, **card)
-                            for card in service.model_cards(server_limits)])
-    return JSONResponse(cards.model_dump())
+    return [ModelCard(id=card["name"], created=request.app.state.started_at, **card)
+            for card in service.model_cards(server_limits)]
 
 
 def _sse(chunk: ChatCompletionChunk) -> str:
