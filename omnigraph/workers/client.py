@@ -4,7 +4,9 @@
 with the route's interpreter in its own session (terminal signals do not reach it), accepts its
 connection (the peer's pid is checked through SO_PEERCRED), removes the socket file at once and
 reads the hello. The worker's stdout and stderr go to a log in that folder; its tail is quoted when
-the worker dies. ``close`` removes the folder.
+the worker dies. ``close`` removes the folder. A worker on another machine (stages/ray_cluster.py)
+connects over TCP instead, proves itself with a one-time token (``accept_tcp_worker``), and is
+handed to ``attach`` with its WorkerProcess; every call then reads the same.
 
 Calls: ``run`` sends a forward call and waits for its reply; a call that is not answered in time
 cannot be pre-empted, so ``run`` then retires the worker (killed, WorkerTimeout). The stage
@@ -20,10 +22,10 @@ as a hang.
 
 from __future__ import annotations
 
+import hmac
 import os
 import select
 import shutil
-import signal
 import socket
 import struct
 import subprocess
@@ -51,6 +53,7 @@ from omnigraph.workers.errors import (
 )
 from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable, send_message
 from omnigraph.workers.placement import PlacementReport
+from omnigraph.workers.process import WORKER_TOKEN_BYTES, LocalWorkerProcess, WorkerProcess
 from omnigraph.workers.reports import LoadReport, WorkerHello
 from omnigraph.workers.route import WorkerRoute
 
@@ -58,8 +61,6 @@ WORKER_MODULE = "omnigraph.workers.worker"
 WORKER_FOLDER_PREFIX = "omnigraph-worker-"
 # Why: after the socket reports EOF the process is exiting; waitpid gets its status within this.
 DEATH_REAP_SECONDS = 5.0
-# Why: quoting the end of the worker's log is enough to say why it died.
-LOG_TAIL_BYTES = 4000
 # Why: a worker writes each message whole, so once its first bytes are here the rest follows at
 # memory speed (64 MiB in well under a second); a frame still incomplete after this is a broken peer.
 FRAME_READ_TIMEOUT_S = 10.0
@@ -77,9 +78,8 @@ class WorkerClient:
         *,
         route: WorkerRoute,
         generation: int,
-        process: subprocess.Popen,
+        process: WorkerProcess,
         sock: socket.socket,
-        private_dir: Path,
         hello: WorkerHello,
         mailbox: Mailbox | None = None,
     ) -> None:
@@ -94,7 +94,6 @@ class WorkerClient:
         self._wait_for_reply = wire.SpinWait(sock, route.spin_wait_us)
         self._readable = select.poll()
         self._readable.register(sock, select.POLLIN)  # hang-ups and errors are always reported too
-        self._private_dir = private_dir
         self._call_lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._min_epoch = 0
@@ -127,6 +126,7 @@ class WorkerClient:
         socket_path = private_dir / "worker.sock"
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         process: subprocess.Popen | None = None
+        handle: LocalWorkerProcess | None = None
         sock: socket.socket | None = None
         mailbox = _new_mailbox(route)
         try:
@@ -146,16 +146,16 @@ class WorkerClient:
                     env=env, start_new_session=True, close_fds=True,
                     pass_fds=() if mailbox is None or mailbox.fd is None else (mailbox.fd,),
                 )
+            handle = LocalWorkerProcess(process, private_dir)
             if mailbox is not None:
                 mailbox.close_fd()
-            sock = _accept_worker(listener, process, deadline, private_dir)
+            sock = _accept_worker(listener, handle, deadline)
             listener.close()
             socket_path.unlink()
-            hello = _read_hello(sock, process, generation, route, deadline, private_dir)
+            hello = _read_hello(sock, handle, generation, route, deadline)
             if mailbox is not None:
                 mailbox.unlink()  # the worker opened the doorbells before its hello, or never will
-            return cls(route=route, generation=generation, process=process, sock=sock, private_dir=private_dir,
-                       hello=hello, mailbox=mailbox)
+            return cls(route=route, generation=generation, process=handle, sock=sock, hello=hello, mailbox=mailbox)
         except BaseException:
             if mailbox is not None:
                 mailbox.close_fd()
@@ -169,6 +169,18 @@ class WorkerClient:
                 process.wait()
             shutil.rmtree(private_dir, ignore_errors=True)
             raise
+
+    @classmethod
+    def attach(cls, route: WorkerRoute, *, generation: int, process: WorkerProcess, sock: socket.socket,
+               startup_timeout: float = DEFAULT_STARTUP_TIMEOUT_S) -> WorkerClient:
+        """The client of a worker started elsewhere (`process`) whose connection `sock` is
+        accepted: reads and checks its hello (the socket is closed if it is refused)."""
+        try:
+            hello = _read_hello(sock, process, generation, route, time.monotonic() + startup_timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return cls(route=route, generation=generation, process=process, sock=sock, hello=hello)
 
     # ------------------------------------------------------------------------------------------
     # Identity and lifetime
@@ -192,23 +204,16 @@ class WorkerClient:
 
     def kill(self) -> None:
         """SIGKILL the worker (no wait; see wait_exit)."""
-        if self._process.poll() is None:
-            try:
-                os.kill(self._process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._process.kill()
 
     def wait_exit(self, timeout: float) -> bool:
-        """True once the OS says the process is gone: reaped by waitpid, and /proc no longer holds
-        a process with its pid and start time."""
+        """True once the OS says the process is gone: reaped by waitpid, and its machine's /proc
+        no longer holds a process with its pid and start time."""
         try:
             self._process.wait(timeout)
         except subprocess.TimeoutExpired:
             return False
-        try:
-            return procfs.process_start_ticks(self.pid) != self.hello.start_time_ticks
-        except FileNotFoundError:
-            return True
+        return self._process.gone(self.hello.start_time_ticks)
 
     def close(self, timeout: float = 10.0) -> int | None:
         """Ask the worker to exit, kill it if it does not within ``timeout``, reap it and remove
@@ -229,8 +234,8 @@ class WorkerClient:
         self._process.wait()
         self._sock.close()
         self._mailbox = None  # unmapped once no call in flight holds it either
-        shutil.rmtree(self._private_dir, ignore_errors=True)
-        return self._process.returncode
+        self._process.remove_files()
+        return self._process.poll()
 
     def __enter__(self) -> WorkerClient:
         return self
@@ -475,7 +480,7 @@ class WorkerClient:
             status = self._process.wait()
         return WorkerDied(
             f"worker {self.pid} (generation {self.generation}) died during {during!r} with status {status}"
-            f"{_log_tail(self._private_dir)}",
+            f"{self._process.log_tail()}",
             exit_status=status,
         )
 
@@ -545,53 +550,79 @@ def _remote_error(body: Mapping[str, Any]) -> Exception:
     return RemoteError(code, message)
 
 
-def _log_tail(private_dir: Path) -> str:
-    try:
-        with open(private_dir / "worker.log", "rb") as log:
-            log.seek(0, os.SEEK_END)
-            log.seek(max(0, log.tell() - LOG_TAIL_BYTES))
-            tail = log.read().decode("utf-8", "replace").strip()
-    except OSError:
-        return ""
-    return f"; its log ends:\n{tail}" if tail else ""
-
-
-def _accept_worker(listener: socket.socket, process: subprocess.Popen, deadline: float,
-                   private_dir: Path) -> socket.socket:
-    """Accept the worker's connection, checking the peer is the process we started."""
+def _accept_one(listener: socket.socket, process: WorkerProcess, deadline: float) -> socket.socket:
+    """The next connection on `listener`, refusing once `process` exited or `deadline` passed."""
     listener.settimeout(0.05)
     while True:
         try:
             sock, _ = listener.accept()
-            break
+            sock.settimeout(None)
+            return sock
         except TimeoutError:
-            if process.poll() is not None:
+            status = process.poll()
+            if status is not None:
                 raise WorkerStartFailed(
-                    f"worker exited with status {process.returncode} before connecting{_log_tail(private_dir)}"
-                ) from None
+                    f"worker exited with status {status} before connecting{process.log_tail()}") from None
             if time.monotonic() > deadline:
-                raise WorkerStartFailed(
-                    f"worker {process.pid} did not connect in time{_log_tail(private_dir)}") from None
+                raise WorkerStartFailed(f"worker {process.pid} did not connect in time{process.log_tail()}") from None
+
+
+def _accept_worker(listener: socket.socket, process: WorkerProcess, deadline: float) -> socket.socket:
+    """Accept the worker's connection, checking the peer is the process we started."""
+    sock = _accept_one(listener, process, deadline)
     pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
     if pid != process.pid:
         sock.close()
         raise WorkerStartFailed(f"a process {pid} other than the worker {process.pid} connected")
-    sock.settimeout(None)
     return sock
 
 
-def _read_hello(sock: socket.socket, process: subprocess.Popen, generation: int, route: WorkerRoute,
-                deadline: float, private_dir: Path) -> WorkerHello:
+def new_worker_token() -> str:
+    """A one-time token for a remote worker (given it in process.WORKER_TOKEN_ENV)."""
+    return os.urandom(WORKER_TOKEN_BYTES).hex()
+
+
+def accept_tcp_worker(listener: socket.socket, token: str, process: WorkerProcess, deadline: float) -> socket.socket:
+    """Accept a remote worker's TCP connection: its first line must be `token` (compared in
+    constant time); any other peer is closed and waited past, until `deadline`."""
+    while True:
+        sock = _accept_one(listener, process, deadline)
+        sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        try:
+            given = _read_token_line(sock)
+        except OSError:
+            given = b""
+        if hmac.compare_digest(given, token.encode("ascii")):
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # one small frame per call
+            return sock
+        sock.close()
+
+
+def _read_token_line(sock: socket.socket) -> bytes:
+    wanted = 2 * WORKER_TOKEN_BYTES + 1
+    received = b""
+    while len(received) < wanted:
+        chunk = sock.recv(wanted - len(received))
+        if not chunk:
+            break
+        received += chunk
+    return received[:-1] if received.endswith(b"\n") else b""
+
+
+def _read_hello(sock: socket.socket, process: WorkerProcess, generation: int, route: WorkerRoute,
+                deadline: float) -> WorkerHello:
     sock.settimeout(max(deadline - time.monotonic(), 1e-3))
     try:
         frame, _ = wire.recv_message(sock, max_payload_bytes=route.max_io_bytes)
     except TimeoutError:
-        raise WorkerStartFailed(f"worker {process.pid} sent no hello in time{_log_tail(private_dir)}") from None
+        raise WorkerStartFailed(f"worker {process.pid} sent no hello in time{process.log_tail()}") from None
     except (wire.PeerClosed, wire.TruncatedFrame, ConnectionResetError):
-        process.wait(DEATH_REAP_SECONDS)
-        raise WorkerStartFailed(
-            f"worker exited with status {process.returncode} before its hello{_log_tail(private_dir)}"
-        ) from None
+        try:
+            status: int | None = process.wait(DEATH_REAP_SECONDS)
+        except subprocess.TimeoutExpired:
+            status = None
+        raise WorkerStartFailed(f"worker exited with status {status} before its hello{process.log_tail()}") from None
     finally:
         sock.settimeout(None)
     if frame.type != "hello":

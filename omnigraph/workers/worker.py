@@ -1,7 +1,8 @@
 """The graph worker process: ``python -m omnigraph.workers.worker --connect SOCKET --generation N
 --route JSON``.
 
-It connects to its controller's Unix socket, announces itself (hello: interpreter, versions,
+It connects to its controller's Unix socket (or, on another machine, to `tcp:HOST:PORT`, sending
+first the one-time token its starter put in OMNIGRAPH_WORKER_TOKEN), announces itself (hello: interpreter, versions,
 providers, pid, process start time, a random instance id, wire version and features), then serves
 one message at a time: load, run, stats, fence, close. Imports stdlib, numpy, onnxruntime, onnx
 and omnigraph.bundles only, plus posix_ipc for the mailbox where the interpreter has it. Given
@@ -37,6 +38,7 @@ import onnxruntime as ort
 from omnigraph.workers import procfs, wire
 from omnigraph.workers.errors import LoadRefused, RemoteError
 from omnigraph.workers.mailbox import FEATURE_MAILBOX, Mailbox, MailboxUnavailable, send_message
+from omnigraph.workers.process import TCP_PREFIX, WORKER_TOKEN_ENV
 from omnigraph.workers.reports import WorkerHello
 from omnigraph.workers.route import WorkerRoute
 from omnigraph.workers.session import GraphSession, load_session
@@ -246,7 +248,7 @@ class GraphWorker:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m omnigraph.workers.worker", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--connect", required=True, help="the controller's Unix socket path")
+    parser.add_argument("--connect", required=True, help="the controller's Unix socket path, or tcp:HOST:PORT")
     parser.add_argument("--generation", required=True, type=int, help="the worker generation the controller assigned")
     parser.add_argument("--route", required=True, help="the WorkerRoute as JSON")
     parser.add_argument("--mailbox-fd", type=int,
@@ -259,14 +261,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             mailbox = Mailbox.attach(args.mailbox_fd)
         except (MailboxUnavailable, OSError, ValueError) as exc:  # the hello then lacks the feature: socket only
             print(f"mailbox not used: {exc}", file=sys.stderr)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(args.connect)
+    sock = _connect(args.connect)
     try:
         return GraphWorker(sock, route, args.generation, mailbox).serve()
     except (BrokenPipeError, ConnectionResetError, wire.TruncatedFrame):
         return EXIT_OK  # the controller went away: no one is left to answer
     finally:
         sock.close()
+
+
+def _connect(address: str) -> socket.socket:
+    """The controller's connection: a Unix socket path, or `tcp:HOST:PORT` (the token first)."""
+    if not address.startswith(TCP_PREFIX):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(address)
+        return sock
+    host, _, port = address[len(TCP_PREFIX):].rpartition(":")
+    token = os.environ.get(WORKER_TOKEN_ENV, "")
+    sock = socket.create_connection((host.strip("[]"), int(port)))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # one small frame per call
+    sock.sendall(token.encode("ascii") + b"\n")
+    return sock
 
 
 if __name__ == "__main__":

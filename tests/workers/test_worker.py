@@ -229,7 +229,7 @@ def test_a_worker_killed_mid_call_raises_worker_died(start_worker, slow_bundle):
     assert client.wait_exit(1.0)
     with pytest.raises(WorkerDied):
         client.run({"x": np.ones((1, 1024), np.float32)}, request_id="after", stage_id=0, epoch=0)
-    private_dir = client._private_dir
+    private_dir = client._process.private_dir
     assert client.close() == -signal.SIGKILL and not private_dir.exists()
 
 
@@ -324,7 +324,7 @@ def test_cuda_requested_on_a_cpu_machine_is_refused_with_the_nodes_named(start_w
 
 def test_close_leaves_nothing_behind(cpu_route, affine_bundle):
     client = WorkerClient.start(cpu_route, generation=1)
-    private_dir = client._private_dir
+    private_dir = client._process.private_dir
     assert not (private_dir / "worker.sock").exists()  # removed once the worker connected
     client.load(affine_bundle.manifest_path)
     assert client.close() == 0
