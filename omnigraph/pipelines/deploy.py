@@ -310,6 +310,35 @@ class BatchingConfig(_Strict):
                          "Remove it, and bound a call with max_batch_tokens or max_batch_bytes instead")
 
 
+class PlacementConfig(_Strict):
+    """Where a graph stage's replicas run under `distributed_executor_backend: ray`: one Ray
+    placement group per stage with a bundle per replica, each bundle holding `num_cpus`, `num_gpus`
+    and `resources` (custom node resources, e.g. `{node_b: 1}` to pin to nodes started with that
+    resource), its bundles spread by `strategy` (Ray's: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
+
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    num_cpus: float = Field(default=1.0, ge=0)
+    num_gpus: float = Field(default=0.0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check_resources(self) -> PlacementConfig:
+        for name, amount in self.resources.items():
+            if not name or name in ("CPU", "GPU", "memory", "object_store_memory"):
+                raise ValueError(f"resources: {name!r} is not a custom resource name (set num_cpus / num_gpus "
+                                 "for CPU and GPU)")
+            if not amount > 0:
+                raise ValueError(f"resources.{name}: must be > 0, got {amount}")
+        if not (self.num_cpus or self.num_gpus or self.resources):
+            raise ValueError("a replica's bundle must ask for something (num_cpus, num_gpus or resources)")
+        return self
+
+    def bundle(self) -> dict[str, float]:
+        """One replica's Ray placement-group bundle."""
+        asked = {"CPU": self.num_cpus, "GPU": self.num_gpus, **self.resources}
+        return {name: amount for name, amount in asked.items() if amount}
+
+
 class StageDeployConfig(_Strict):
     """One stage of the plan; the declaration keys are only for pipelines declared inline."""
 
@@ -319,6 +348,7 @@ class StageDeployConfig(_Strict):
     num_replicas: int = Field(default=1, ge=1)
     restart: RestartConfig = Field(default_factory=RestartConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    placement: PlacementConfig | None = None
     env: dict[str, str] = Field(default_factory=dict)
     model_stage: str | None = None
     execution_type: Literal["graph", "llm_pooling"] | None = None
@@ -361,11 +391,16 @@ class StageDeployConfig(_Strict):
 
 
 class DeployConfig(_Strict):
-    """A whole deployment plan for one pipeline."""
+    """A whole deployment plan for one pipeline. `distributed_executor_backend` (vLLM's name):
+    `local` runs every graph stage's workers on this machine; `ray` runs them as Ray actors where
+    each stage's `placement` puts them, on the cluster at `ray_address` (else $RAY_ADDRESS, else a
+    Ray started here)."""
 
     pipeline: str
     async_chunk: bool = False
     max_queued_requests: int = Field(default=DEFAULT_MAX_QUEUED_REQUESTS, ge=1)
+    distributed_executor_backend: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
     stages: list[StageDeployConfig] = Field(min_length=1)
 
     @model_validator(mode="after")
@@ -373,6 +408,13 @@ class DeployConfig(_Strict):
         ids = [stage.stage_id for stage in self.stages]
         if len(set(ids)) != len(ids):
             raise ValueError(f"stage ids repeat: {ids}")
+        if self.distributed_executor_backend == "local":
+            if self.ray_address is not None:
+                raise ValueError("ray_address: only read with distributed_executor_backend: ray")
+            placed = [index for index, stage in enumerate(self.stages) if stage.placement is not None]
+            if placed:
+                raise ValueError(f"stages[{placed[0]}].placement: only read with distributed_executor_backend: "
+                                 "ray (local workers run on this machine)")
         return self
 
     def stage(self, stage_id: int) -> StageDeployConfig:
@@ -445,6 +487,8 @@ def resolve_pipeline(deploy: DeployConfig) -> PipelineConfig:
 # Keys of a graph stage that a native stage has no use for, and why.
 _GRAPH_ONLY_KEYS = {
     "num_replicas": "runs one vLLM engine; scale it inside vLLM (engine_args tensor_parallel_size, data_parallel_size)",
+    "placement": "runs in this process, also under distributed_executor_backend: ray (its own Ray placement "
+                 "through engine_args distributed_executor_backend is not supported yet)",
     "batching": "is batched by vLLM's scheduler (engine_args max_num_seqs, max_num_batched_tokens)",
     "restart": "is never restarted: a dead engine fails the stage",
     "env": "runs in this process (set the environment of the process itself)",

@@ -737,7 +737,7 @@ class GraphStage:
         """Start a replica's thread, its worker's exit watched by the monitor."""
         replica.start_serving()
         if self.monitor is not None:
-            self.monitor.watch_exit(replica.client.pid, lambda: self.worker_exited(replica))
+            self.monitor.watch_exit(replica.client.process, lambda: self.worker_exited(replica))
 
     def submit(self, item: WorkItem) -> None:
         """Queue a work item for the next free replica; fails fast while no replica is live.

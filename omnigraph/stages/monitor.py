@@ -1,10 +1,10 @@
 """StageMonitor: one background thread that notices, between requests, what would otherwise only be
 found by the next request.
 
-- A worker process that exits while its replica is idle (killed, out of memory): its process
-  file descriptor (`os.pidfd_open`) turns readable at once, and the stage retires the replica and
-  starts its replacement eagerly, so `/health` tells the truth at once and no request meets the
-  dead worker.
+- A worker process that exits while its replica is idle (killed, out of memory, its node lost):
+  its exit descriptor (`WorkerProcess.exit_fd`: a pidfd, or a remote worker's) turns readable at
+  once, and the stage retires the replica and starts its replacement eagerly, so `/health` tells
+  the truth at once and no request meets the dead worker.
 - A bundle changed on disk under a running stage: each stage's `BundleWatch` is checked every
   `reverify_interval_s` (deploy key); a change turns the stage unavailable, naming the file, until
   the verified bytes are back.
@@ -18,6 +18,8 @@ import selectors
 import threading
 import time
 from collections.abc import Callable
+
+from omnigraph.workers.process import WorkerProcess
 
 logger = logging.getLogger("omnigraph.stages")
 
@@ -34,19 +36,19 @@ class StageMonitor:
         os.set_blocking(self._wake_write, False)
         self._selector.register(self._wake_read, selectors.EVENT_READ, None)
         self._lock = threading.Lock()
-        self._exits: dict[int, tuple[int, Callable[[], None]]] = {}   # pid -> (pidfd, on_exit)
-        self._pending: list[tuple[int, Callable[[], None]]] = []
+        self._exits: dict[int, Callable[[], None]] = {}   # exit descriptor -> on_exit
+        self._pending: list[tuple[WorkerProcess, Callable[[], None]]] = []
         self._checks: list[tuple[float, Callable[[], None], list[float]]] = []  # (interval, check, [next due])
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="omnigraph-stage-monitor", daemon=True)
         self._thread.start()
 
-    def watch_exit(self, pid: int, on_exit: Callable[[], None]) -> None:
-        """Call `on_exit()` (on the monitor's thread) once process `pid` exits."""
+    def watch_exit(self, process: WorkerProcess, on_exit: Callable[[], None]) -> None:
+        """Call `on_exit()` (on the monitor's thread) once `process` exits."""
         with self._lock:
             if self._stopped:
                 return
-            self._pending.append((pid, on_exit))
+            self._pending.append((process, on_exit))
         self._wake()
 
     def every(self, interval_s: float, check: Callable[[], None]) -> None:
@@ -61,8 +63,8 @@ class StageMonitor:
             self._stopped = True
         self._wake()
         self._thread.join()
-        for pidfd, _ in self._exits.values():
-            os.close(pidfd)
+        for fd in self._exits:
+            os.close(fd)
         self._exits.clear()
         self._selector.close()
         os.close(self._wake_read)
@@ -81,8 +83,8 @@ class StageMonitor:
                     return
                 pending, self._pending = self._pending, []
                 checks = list(self._checks)
-            for pid, on_exit in pending:
-                self._register(pid, on_exit)
+            for process, on_exit in pending:
+                self._register(process, on_exit)
             now = time.monotonic()
             next_due = now + MAX_SLEEP_S
             for interval, check, due in checks:
@@ -94,20 +96,20 @@ class StageMonitor:
                 if key.data is None:
                     os.read(self._wake_read, 4096)
                     continue
-                pid = key.data
-                pidfd, on_exit = self._exits.pop(pid)
-                self._selector.unregister(pidfd)
-                os.close(pidfd)
+                fd = key.fd
+                on_exit = self._exits.pop(fd)
+                self._selector.unregister(fd)
+                os.close(fd)
                 self._call(on_exit)
 
-    def _register(self, pid: int, on_exit: Callable[[], None]) -> None:
+    def _register(self, process: WorkerProcess, on_exit: Callable[[], None]) -> None:
         try:
-            pidfd = os.pidfd_open(pid)
+            fd = process.exit_fd()
         except ProcessLookupError:  # already gone
             self._call(on_exit)
             return
-        self._exits[pid] = (pidfd, on_exit)
-        self._selector.register(pidfd, selectors.EVENT_READ, pid)
+        self._exits[fd] = on_exit
+        self._selector.register(fd, selectors.EVENT_READ, fd)
 
     @staticmethod
     def _call(callback: Callable[[], None]) -> None:

@@ -47,6 +47,7 @@ from omnigraph.stages.metrics import EngineMetrics, LedgerMetrics
 from omnigraph.stages.monitor import StageMonitor
 from omnigraph.stages.native_stage import NativeStage, ServedEngine
 from omnigraph.stages.protocols import ServingStage
+from omnigraph.stages.ray_cluster import RayCluster, cluster_for
 from omnigraph.stages.startup import StartCancel
 from omnigraph.workers.client import WorkerClient
 
@@ -69,6 +70,7 @@ class StageRuntime:
         self._closed = False
         self._monitor: StageMonitor | None = None
         self._starting: Launched = []
+        self._cluster: RayCluster | None = None  # distributed_executor_backend: ray
         self.cancel = cancel if cancel is not None else StartCancel()
         self.cancel.bind(self._kill_starting)
 
@@ -102,6 +104,7 @@ class StageRuntime:
                     len(stages))
         launched = self._starting
         try:
+            self._place_on_cluster(stages)
             for (stage, replica), reservation in zip(owners, reservations):
                 self.cancel.check(f"after {len(launched)} of {len(owners)} replicas")
                 stage.start_replica(replica, reservation, self.ledger, launched)
@@ -113,6 +116,7 @@ class StageRuntime:
             for stage in stages:
                 stage.abort_start(DEFAULT_SHUTDOWN_TIMEOUT_S)
             self._unwind(launched, reservations)
+            self._close_cluster()
             raise
         self.stages = {stage.stage_id: stage for stage in stages}
         self._monitor = StageMonitor()
@@ -120,6 +124,20 @@ class StageRuntime:
             stage.start_serving(self._monitor)
         logger.info("pipeline %s: %d stage(s) serving, started in %.1f s", self.pipeline.model_type, len(stages),
                     time.monotonic() - started)
+
+    def _place_on_cluster(self, stages: list[ServingStage]) -> None:
+        """Under `distributed_executor_backend: ray`, the whole plan's placement groups, placed
+        before any worker starts (ray_cluster.py); nothing for a local plan."""
+        self._cluster = cluster_for(self.deploy)
+        if self._cluster is not None:
+            self._cluster.reserve([(stage.stage_id, stage.deploy.num_replicas, stage.deploy.placement)
+                                   for stage in stages if isinstance(stage, GraphStage)], timeout=self.startup_timeout)
+            logger.info("pipeline %s: placement groups placed on the Ray cluster", self.pipeline.model_type)
+
+    def _close_cluster(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+            self._cluster = None
 
     def _unwind(self, launched: Launched, reservations: list[Reservation]) -> None:
         """Kill every worker started so far; release each reservation (quarantine if an exit is unverified)."""
@@ -150,8 +168,13 @@ class StageRuntime:
         """Start, load and warm up one worker charged to `reservation`; `launched` gets it once it exists."""
         started = time.monotonic()
         try:
-            client = WorkerClient.start(stage.route, generation=next(self._generations),
-                                        startup_timeout=self.startup_timeout)
+            if self._cluster is None:
+                client = WorkerClient.start(stage.route, generation=next(self._generations),
+                                            startup_timeout=self.startup_timeout)
+            else:
+                client = self._cluster.start_worker(stage.stage_id, replica, stage.route, stage.deploy.placement,
+                                                    generation=next(self._generations),
+                                                    startup_timeout=self.startup_timeout)
         except Exception as exc:
             raise StageStartupError(stage.stage_id, replica, f"worker did not start: {exc}") from exc
         stage.register_launch(launched, client, reservation)
@@ -163,10 +186,11 @@ class StageRuntime:
         if report.manifest_sha256 != stage.bundle.manifest_sha256:
             raise StageStartupError(stage.stage_id, replica,
                                     "the worker loaded another manifest than the one verified here")
-        logger.info("stage %d: replica %d on worker %d (generation %d, route %s) loaded %s on %s, "
+        node = client.process.node
+        logger.info("stage %d: replica %d on worker %d (generation %d, route %s%s) loaded %s on %s, "
                     "warmed up in %.0f ms; ready in %.1f s", stage.stage_id, replica, client.pid, client.generation,
-                    stage.route.name, stage.bundle.manifest.component, ", ".join(report.session_providers),
-                    report.warmup_ms, time.monotonic() - started)
+                    stage.route.name, "" if node == "local" else f", node {node}", stage.bundle.manifest.component,
+                    ", ".join(report.session_providers), report.warmup_ms, time.monotonic() - started)
         return GraphReplica(stage, replica, client, reservation, self.ledger, report, restarts=restarts,
                                 hang_grace_s=stage.deploy.hang_grace_s)
 
@@ -229,6 +253,7 @@ class StageRuntime:
             self._monitor.stop()
         for stage in self.ordered_stages:
             stage.stop(timeout)
+        self._close_cluster()
 
 
 def _owner(stage: ServingStage, replica: int) -> str:

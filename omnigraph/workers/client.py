@@ -190,6 +190,11 @@ class WorkerClient:
         return self._process.pid
 
     @property
+    def process(self) -> WorkerProcess:
+        """The worker's process (where it runs, its exit)."""
+        return self._process
+
+    @property
     def instance(self) -> str:
         return self.hello.instance
 

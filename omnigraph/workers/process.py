@@ -51,6 +51,16 @@ class WorkerProcess(Protocol):
         """Whether, once reaped, no process with its pid and `start_ticks` is left on its machine."""
         ...
 
+    def exit_fd(self) -> int:
+        """A new descriptor (the caller closes it) that turns readable once the process exited;
+        ProcessLookupError when it is gone already."""
+        ...
+
+    @property
+    def node(self) -> str:
+        """The machine it runs on: `local`, or a Ray node id."""
+        ...
+
     def log_tail(self) -> str:
         """`; its log ends:\\n...` with the end of its stdout and stderr, or '' when there is none."""
         ...
@@ -91,6 +101,13 @@ class LocalWorkerProcess:
             return procfs.process_start_ticks(self.pid) != start_ticks
         except FileNotFoundError:
             return True
+
+    def exit_fd(self) -> int:
+        return os.pidfd_open(self.pid)
+
+    @property
+    def node(self) -> str:
+        return "local"
 
     def log_tail(self) -> str:
         return log_tail(self.private_dir / "worker.log")

@@ -28,6 +28,8 @@ import platform
 import secrets
 import socket
 import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -45,6 +47,10 @@ from omnigraph.workers.session import GraphSession, load_session
 
 EXIT_OK = 0
 EXIT_WIRE_DESYNC = 3  # a frame broke the wire before its length could be trusted
+EXIT_PARENT_GONE = 4  # a remote worker's starter (its node's host actor) exited: it goes with it
+# Why: a remote worker whose host actor died (its node lost, the actor killed) must not serve on
+# over its open connection; a quarter second is well inside any replacement's start.
+PARENT_CHECK_S = 0.25
 
 
 def _device_memory(device_id: int) -> dict[str, int] | None:
@@ -270,6 +276,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sock.close()
 
 
+def _exit_with_parent(parent: int) -> None:
+    """Exit once the process that started this one has (it is then reparented)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_CHECK_S)
+    os._exit(EXIT_PARENT_GONE)
+
+
 def _connect(address: str) -> socket.socket:
     """The controller's connection: a Unix socket path, or `tcp:HOST:PORT` (the token first)."""
     if not address.startswith(TCP_PREFIX):
@@ -278,6 +291,8 @@ def _connect(address: str) -> socket.socket:
         return sock
     host, _, port = address[len(TCP_PREFIX):].rpartition(":")
     token = os.environ.get(WORKER_TOKEN_ENV, "")
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), name="omnigraph-parent-watch",
+                     daemon=True).start()
     sock = socket.create_connection((host.strip("[]"), int(port)))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # one small frame per call
     sock.sendall(token.encode("ascii") + b"\n")
