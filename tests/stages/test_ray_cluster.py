@@ -1,0 +1,181 @@
+"""Graph-stage replicas on a local three-node Ray cluster (`distributed_executor_backend: ray`).
+
+The cluster is Ray's own test cluster (`ray.cluster_utils.Cluster`), every node on 127.0.0.1 with
+its own custom resource (`node_a` on the head, `node_b`, `node_c`), so a plan pins a stage to a
+node by asking for that resource. The pipeline is examples/two_stage_graph.py's: small integer
+weights, so every answer is exact and compares equal to the local backend's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node on 127.0.0.1
+ray = pytest.importorskip("ray")
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from omnigraph import AsyncOmni, Omni  # noqa: E402
+from omnigraph.stages.errors import StageUnavailable  # noqa: E402
+from omnigraph.stages.ray_cluster import ClusterUnavailable  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import two_stage_graph as example  # noqa: E402
+
+
+def _start_cluster(*workers: dict) -> Cluster:
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}})
+    for resources in workers:
+        cluster.add_node(num_cpus=2, resources=resources)
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    return cluster
+
+
+def _stop_cluster(cluster: Cluster) -> None:
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = _start_cluster({"node_b": 1}, {"node_c": 1})
+    yield cluster
+    _stop_cluster(cluster)
+
+
+@pytest.fixture(scope="module")
+def local_plan(tmp_path_factory) -> Path:
+    return example.prepare(tmp_path_factory.mktemp("two-stage"))
+
+
+def _ray_plan(local_plan: Path, name: str, placements: list[dict], *, replicas: list[int] | None = None) -> Path:
+    """The example plan on the Ray backend, each stage placed as `placements` says."""
+    data = yaml.safe_load(local_plan.read_text())
+    data["distributed_executor_backend"] = "ray"
+    for index, (stage, placement) in enumerate(zip(data["stages"], placements)):
+        stage["placement"] = placement
+        if replicas is not None:
+            stage["num_replicas"] = replicas[index]
+    plan = local_plan.with_name(f"{name}.yaml")
+    plan.write_text(yaml.safe_dump(data))
+    return plan
+
+
+def _node_with(resource: str) -> str:
+    [node] = [node["NodeID"] for node in ray.nodes() if node["Alive"] and resource in node["Resources"]]
+    return node
+
+
+def _nodes_of(omni: Omni | AsyncOmni) -> dict[int, list[str]]:
+    return {stage_id: [replica.client.process.node for replica in stage.replicas if replica.serving]
+            for stage_id, stage in omni.runtime.stages.items()}
+
+
+def test_every_node_of_the_test_cluster_is_on_the_loopback_address(cluster):
+    assert [node["NodeManagerAddress"] for node in ray.nodes()] == ["127.0.0.1"] * 3
+
+
+def test_two_stages_on_two_nodes_answer_as_the_local_backend_does(cluster, local_plan):
+    plan = _ray_plan(local_plan, "spread", [{"resources": {"node_b": 1}}, {"resources": {"node_c": 1}}])
+    inputs = example.make_inputs(24)
+    prompts = [{"tensors": {"x": x}} for x in inputs]
+    with Omni(deploy_config=local_plan) as omni:
+        local = [output.custom_output["scores"] for output in omni.generate(prompts)]
+    with Omni(deploy_config=plan) as omni:
+        assert _nodes_of(omni) == {0: [_node_with("node_b")], 1: [_node_with("node_c")]}
+        placed = [output.custom_output["scores"] for output in omni.generate(prompts)]
+        assert not omni.health()
+    for x, here, there in zip(inputs, local, placed):
+        np.testing.assert_array_equal(there, here)
+        np.testing.assert_array_equal(there, example.reference(x))
+    assert _live_placement_groups() == []  # the plan's groups went with its shutdown
+
+
+@pytest.mark.parametrize(("placement", "message"), [
+    ({"resources": {"node_z": 1}}, r"stage 1: a replica's bundle .*'node_z': 1\.0.* cannot be placed: no node has node_z 1"),
+    ({"num_cpus": 8}, r"stage 1: .* cannot be placed: no node has CPU 8 \(the most is 2\)"),
+    ({"resources": {"node_b": 1}, "strategy": "STRICT_SPREAD"},
+     r"stage 1: STRICT_SPREAD puts 2 replicas on 2 nodes, and 1 node\(s\) can hold the bundle"),
+])
+def test_a_plan_the_cluster_cannot_hold_is_refused_before_any_worker_starts(cluster, local_plan, placement,
+                                                                             message):
+    plan = _ray_plan(local_plan, "too-big", [{"resources": {"node_b": 1}}, placement], replicas=[1, 2])
+    free = ray.available_resources()
+    with pytest.raises(ClusterUnavailable, match=message):
+        Omni(deploy_config=plan)
+    assert _live_placement_groups() == [] and ray.available_resources() == free  # nothing held, nothing started
+
+
+def _live_placement_groups() -> list[str]:
+    return [group["name"] for group in ray.util.placement_group_table().values() if group["state"] != "REMOVED"]
+
+
+def test_a_node_lost_under_load_loses_no_answer_and_its_replica_is_replaced_on_a_survivor(cluster, local_plan):
+    """Two nodes join with room for stage 0's replicas (`replica_room`: 2 on node_d, 1 on node_e);
+    node_e is removed while 8 clients keep requests in flight (the module's last test)."""
+    cluster.add_node(num_cpus=2, resources={"node_d": 1, "replica_room": 2})
+    cluster.add_node(num_cpus=2, resources={"node_e": 1, "replica_room": 1})
+    cluster.wait_for_nodes()
+    plan = _ray_plan(local_plan, "lossy", [{"resources": {"replica_room": 1}, "strategy": "SPREAD"},
+                                           {"resources": {"node_a": 1}}], replicas=[2, 1])
+    asyncio.run(_serve_through_a_node_loss(cluster, plan))
+
+
+async def _serve_through_a_node_loss(cluster: Cluster, plan: Path) -> None:
+    node_d, node_e = _node_with("node_d"), _node_with("node_e")
+    inputs = example.make_inputs(400)
+    answers: dict[int, np.ndarray] = {}
+    retries = 0
+    async with AsyncOmni(deploy_config=plan) as omni:
+        assert sorted(_nodes_of(omni)[0]) == sorted([node_d, node_e])
+
+        async def client(first: int) -> None:
+            nonlocal retries
+            for index in range(first, len(inputs), 8):
+                while True:
+                    try:
+                        async for output in omni.generate({"tensors": {"x": inputs[index]}}):
+                            assert index not in answers, "an answer came twice"
+                            answers[index] = output.custom_output["scores"]
+                        break
+                    except StageUnavailable as exc:  # a 503 with Retry-After: the client retries
+                        assert exc.retry_after is not None
+                        retries += 1
+                        await asyncio.sleep(0.05)
+
+        states: list[tuple[str, str | None]] = []
+
+        async def watch_health() -> None:  # what /health reads, sampled through the loss
+            while True:
+                states.append(omni.runtime.stage_states()[0])
+                await asyncio.sleep(0.01)
+
+        clients = [asyncio.ensure_future(client(first)) for first in range(8)]
+        while len(answers) < 40:
+            await asyncio.sleep(0.01)
+        watcher = asyncio.ensure_future(watch_health())
+        [lost] = [node for node in cluster.worker_nodes if node.node_id == node_e]
+        await asyncio.to_thread(cluster.remove_node, lost)
+        await asyncio.gather(*clients)
+        deadline = time.monotonic() + 120
+        while sorted(_nodes_of(omni)[0]) != [node_d, node_d] and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        watcher.cancel()
+        assert _nodes_of(omni)[0] == [node_d, node_d]  # the lost replica was replaced on the survivor
+        assert omni.runtime.stage_states()[0] == ("ok", None) and not omni.health()
+        # while it was being replaced, the stage said so (one replica serving)
+        assert any(state == "degraded" and "1 of 2 replicas serve" in (why or "") for state, why in states), states
+    assert sorted(answers) == list(range(len(inputs)))  # none lost
+    for index, x in enumerate(inputs):
+        np.testing.assert_array_equal(answers[index], example.reference(x))  # none wrong
+
