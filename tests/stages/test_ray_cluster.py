@@ -102,7 +102,8 @@ def test_two_stages_on_two_nodes_answer_as_the_local_backend_does(cluster, local
 
 
 @pytest.mark.parametrize(("placement", "message"), [
-    ({"resources": {"node_z": 1}}, r"stage 1: a replica's bundle .*'node_z': 1\.0.* cannot be placed: no node has node_z 1"),
+    ({"resources": {"node_z": 1}},
+     r"stage 1: a replica's bundle .*'node_z': 1\.0.* cannot be placed: no node has node_z 1"),
     ({"num_cpus": 8}, r"stage 1: .* cannot be placed: no node has CPU 8 \(the most is 2\)"),
     ({"resources": {"node_b": 1}, "strategy": "STRICT_SPREAD"},
      r"stage 1: STRICT_SPREAD puts 2 replicas on 2 nodes, and 1 node\(s\) can hold the bundle"),
