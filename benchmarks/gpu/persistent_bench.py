@@ -43,6 +43,11 @@ SHAPES = {"wo": (D, D), "wi": (2 * F, D), "wo_mlp": (D, F), "wqkv": (QKV, D)}
 PHASES = ("wo", "wi_geglu", "wo_mlp", "wqkv")
 WEIGHT_BYTES_PER_LAYER = 2 * sum(n * k for n, k in SHAPES.values())
 DEFAULT_PLANS = ("64,132,64,128/2,1,2,1", "64,164,64,128/2,1,2,1", "64,132,64,132/2,1,2,1")
+# the kernel's TraceMoment, in order (persistent_layer.cu); a trace record is flags, then these
+MOMENTS = ("begin", "dependency", "weights", "gemm", "issued", "ticket", "epilogue", "met", "normalized",
+           "signalled")
+TRACE_FIELDS = 1 + len(MOMENTS)
+FIRST_FINISHER_MOMENT = MOMENTS.index("epilogue")  # from here on only the tile's finisher does work
 REL_LIMIT_X1 = {"resid": 1e-3, "qkv": 1e-2}
 REL_LIMIT_28 = {"resid": 2e-2, "qkv": 3e-2}
 
@@ -174,6 +179,47 @@ def main() -> int:
     def rel(a, b) -> float:
         return float((a.float() - b.float()).norm() / b.float().norm())
 
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def phase_trace(m: int, tag: str, debug: int, stamps) -> None:
+        """Per phase, mean over layers 1..27: the moment each CTA reached each TraceMoment, after
+        the previous phase completed (us): the median CTA and the last CTA (finishers only from the
+        epilogue on), and when the phase completed."""
+        import numpy as np
+
+        completed = stamps[: 1 + 4 * LAYERS]  # [q] = when global phase q - 1 completed
+        rec = stamps[1 + 4 * LAYERS:].reshape(LAYERS, 4, sm_count, TRACE_FIELDS)
+        steps = [(completed[i + 1] - completed[i]) / 1000.0 for i in range(4 * LAYERS)]
+        label = "" if debug == 0 else f" (debug {debug})"
+        print(f"phase trace M={m} plan {tag}{label}: us after the previous phase completed, median / last CTA")
+        print(f"{'phase':<10}" + "".join(f"{name:>13}" for name in MOMENTS[1:]) + f"{'completed':>11}")
+        for phase, name in enumerate(PHASES):
+            median, last, done = [], [], []
+            for layer in range(1, LAYERS):
+                q = 4 * layer + phase
+                r = rec[layer, phase]
+                rel = (r[:, 1:] - completed[q]) / 1000.0
+                recorded = (r[:, 0] & 1) == 1
+                finisher = (r[:, 0] & 2) == 2
+                med_row, last_row = [], []
+                for k in range(len(MOMENTS)):
+                    sel = rel[finisher if k >= FIRST_FINISHER_MOMENT else recorded, k]
+                    med_row.append(float(np.median(sel)))
+                    last_row.append(float(sel.max()))
+                median.append(med_row)
+                last.append(last_row)
+                done.append((completed[q + 1] - completed[q]) / 1000.0)
+            median_mean = np.mean(median, axis=0)
+            last_mean = np.mean(last, axis=0)
+            print(f"{name:<10}" + "".join(f"{a:>6.2f}/{b:<6.2f}" for a, b in zip(median_mean[1:], last_mean[1:]))
+                  + f"{statistics.mean(done):>11.2f}")
+            record("persistent phase trace", m, f"phase{phase}_{name}_us", statistics.mean(done), "us",
+                   variant=tag, debug=debug, first_layer=round(steps[phase], 2),
+                   median_cta={k: round(float(v), 3) for k, v in zip(MOMENTS, median_mean)},
+                   last_cta={k: round(float(v), 3) for k, v in zip(MOMENTS, last_mean)})
+        record("persistent phase trace", m, "traced_total_us", (completed[4 * LAYERS] - completed[0]) / 1000.0,
+               "us", variant=tag, debug=debug)
+
     failures = 0
     for m in args.rows:
         ctx = torch.randn(m, D, device="cuda").bfloat16()
@@ -239,33 +285,14 @@ def main() -> int:
                 print(f"NUMERICS FAILED for plan {tag} at M={m}: not timed", flush=True)
                 continue
 
-            # where the time goes: when each (layer, phase) completed, from %globaltimer
-            trace = torch.zeros(1 + 4 * LAYERS + 6 * 32, dtype=torch.int64, device="cuda")
-            launch(LAYERS, trace=trace)
-            sync()
-            stamps = trace.cpu().tolist()
-            steps = [(stamps[i + 1] - stamps[i]) / 1000.0 for i in range(4 * LAYERS)]
-            traced_layer = 5
-            for rec_i in range(32):
-                code, *moments = stamps[1 + 4 * LAYERS + 6 * rec_i: 1 + 4 * LAYERS + 6 * rec_i + 6]
-                if moments[0] == 0:
-                    break
-                phase, finisher = code & 0xFF, bool(code >> 8)
-                q = traced_layer * 4 + phase
-                prev_done = stamps[q]  # when phase q-1 completed
-                record("persistent cta0 task trace", m, f"task{rec_i}_{PHASES[phase]}",
-                       (moments[3] - moments[2]) / 1000.0, "us", variant=tag, finisher=finisher,
-                       gemm_us=round((moments[3] - moments[2]) / 1000.0, 3),
-                       dependency_wait_us=round((moments[1] - moments[0]) / 1000.0, 3),
-                       seen_after_prev_phase_done_us=round((moments[1] - prev_done) / 1000.0, 3),
-                       weights_wait_us=round((moments[2] - moments[1]) / 1000.0, 3),
-                       epilogue_and_signal_us=round((moments[4] - moments[3]) / 1000.0, 3))
-            for phase, name in enumerate(PHASES):
-                per = [steps[4 * l + phase] for l in range(1, LAYERS)]
-                record("persistent 1 launch trace", m, f"phase{phase}_{name}_us", statistics.mean(per), "us",
-                       variant=tag, first_layer=round(steps[phase], 2))
-            record("persistent 1 launch trace", m, "traced_total_us", (stamps[4 * LAYERS] - stamps[0]) / 1000.0, "us",
-                   variant=tag)
+            # where the time goes: when each (layer, phase) completed and each task's moments, from
+            # %globaltimer; with --experiments also for the skeleton (debug 3: no A loads, no mma)
+            for debug in (0, 3) if args.experiments and plan_index == 0 else (0,):
+                trace = torch.zeros(1 + 4 * LAYERS * (1 + sm_count * TRACE_FIELDS), dtype=torch.int64,
+                                    device="cuda")
+                launch(LAYERS, trace=trace, debug=debug)
+                sync()
+                phase_trace(m, tag, debug, trace.cpu().numpy())
 
             def chain28(launch=launch):
                 for l in range(LAYERS):

@@ -1,10 +1,13 @@
 """Graph-stage replicas on a Ray cluster: a plan's `distributed_executor_backend: ray`.
 
 Placement. Each graph stage gets one Ray placement group with a bundle per replica (the stage's
-`placement`: CPUs, GPUs, custom node resources, and Ray's strategy across the bundles), created
-for the whole plan before any worker starts. A plan that no set of the cluster's nodes can hold
-is refused first, naming the stage and the resource; one that could but does not get placed
-within the startup timeout (resources held by others) is refused naming the stage too.
+`placement`: CPUs, GPUs, custom node resources, and Ray's strategy across the bundles; its ledger
+demand on `machine:ram` as Ray's `memory`), created for the whole plan before any worker starts.
+A plan that no set of the cluster's nodes can hold is refused first, naming the stage and the
+resource; one that could but does not get placed within the startup timeout (resources held by
+others) is refused naming the stage too. Where Ray placed each bundle decides the node the
+ResourceLedger charges the replica's `machine:` demands to (`bundle_node`): Ray finds the room,
+the ledger stays the admission authority, per node.
 
 Workers. A replica's worker is the same verified worker a local replica runs. A `WorkerHost`
 actor, holding the replica's bundle, starts it on its node as its child; the worker connects back
@@ -28,7 +31,8 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,11 @@ ACTOR_CALL_TIMEOUT_S = 30.0
 # Why: a stage's placement asks for the whole bundle a replica holds; a bundle left without
 # resources here would let Ray run other work where the plan counted on room.
 DEFAULT_PLACEMENT = PlacementConfig()
+#: The ledger demand that becomes the bundle's Ray `memory` (bytes): the one a node advertises.
+RAM_DEMAND = "machine:ram"
+# Why: a bundle whose node was lost is placed again by Ray within seconds when a survivor has room;
+# a replacement polls for it this often until its startup timeout.
+BUNDLE_POLL_S = 0.1
 
 
 class ClusterUnavailable(StageError):
@@ -249,22 +258,24 @@ class RayCluster:
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise ClusterUnavailable(f"cannot reach the Ray cluster at {address or 'RAY_ADDRESS'}: {exc}") from None
         self._groups: dict[int, Any] = {}
+        self._bundles: dict[int, dict[str, float]] = {}
         self._host_class: Any = ray.remote(WorkerHost)  # an actor class (typed loosely by Ray)
         # the address this node's workers and the others reach the controller by
         self.controller_host = ray.util.get_node_ip_address()
 
-    def reserve(self, stages: Sequence[tuple[int, int, PlacementConfig | None]], timeout: float) -> None:
-        """One placement group per (stage id, replicas, placement), all placed within `timeout` s,
-        or none kept (ClusterUnavailable naming the stage and what it lacks)."""
+    def reserve(self, stages: Sequence[StagePlacement], timeout: float) -> None:
+        """One placement group per stage, all placed within `timeout` s, or none kept
+        (ClusterUnavailable naming the stage and what it lacks)."""
         from ray.util.placement_group import placement_group
 
-        for stage_id, replicas, placement in stages:
-            _check_fits(stage_id, replicas, placement or DEFAULT_PLACEMENT, self._ray.nodes())
+        for stage in stages:
+            _check_fits(stage, self._ray.nodes())
         try:
-            for stage_id, replicas, placement in stages:
-                placement = placement or DEFAULT_PLACEMENT
-                self._groups[stage_id] = placement_group([placement.bundle()] * replicas, strategy=placement.strategy,
-                                                         name=f"omnigraph-stage{stage_id}-{os.getpid()}")
+            for stage in stages:
+                self._bundles[stage.stage_id] = stage.bundle()
+                self._groups[stage.stage_id] = placement_group(
+                    [stage.bundle()] * stage.replicas, strategy=stage.placement.strategy,
+                    name=f"omnigraph-stage{stage.stage_id}-{os.getpid()}")
             deadline = time.monotonic() + timeout
             for stage_id, group in self._groups.items():
                 if not group.wait(max(deadline - time.monotonic(), 0.0)):
@@ -274,32 +285,49 @@ class RayCluster:
             self.close()
             raise
 
-    def start_worker(self, stage_id: int, replica: int, route: WorkerRoute, placement: PlacementConfig | None, *,
-                     generation: int, startup_timeout: float) -> WorkerClient:
-        """Start replica `replica`'s worker in its placement-group bundle and return its client
-        (its hello checked); WorkerStartFailed if it does not start, connect and say hello in time."""
+    def bundle_node(self, stage_id: int, replica: int, timeout: float) -> str:
+        """The node Ray placed replica `replica`'s bundle on; after a node loss, once Ray placed it
+        again (WorkerStartFailed if it is not within `timeout` s: no survivor has room yet)."""
+        from ray.util import placement_group_table
+
+        deadline = time.monotonic() + timeout
+        while not (node := placement_group_table(self._groups[stage_id])["bundles_to_node_id"].get(replica)):
+            if time.monotonic() >= deadline:
+                raise WorkerStartFailed(f"stage {stage_id} replica {replica}'s bundle {self._bundles[stage_id]} "
+                                        f"is on no node: no surviving node had room within {timeout:g} s")
+            time.sleep(BUNDLE_POLL_S)
+        return str(node)
+
+    def start_worker(self, stage_id: int, replica: int, route: WorkerRoute, node: str, *, generation: int,
+                     startup_timeout: float) -> WorkerClient:
+        """Start replica `replica`'s worker in its placement-group bundle, which is on `node` (where
+        its reservation is charged), and return its client (its hello checked); WorkerStartFailed
+        if it does not start, connect and say hello in time, or lands elsewhere (the bundle moved)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         deadline = time.monotonic() + startup_timeout
-        bundle = (placement or DEFAULT_PLACEMENT).bundle()
+        bundle = self._bundles[stage_id]
         listener = socket.create_server((self.controller_host, 0))
         actor = None
         try:
             host, port = listener.getsockname()[:2]
             token = new_worker_token()
             actor = self._host_class.options(
-                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), memory=bundle.get("memory"),
+                resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")},
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._groups[stage_id], replica),
                 max_restarts=0, name=None).remote()
             command = [route.interpreter, "-m", WORKER_MODULE, "--connect", f"{TCP_PREFIX}{host}:{port}",
                        "--generation", str(generation), "--route", route.to_json()]
             try:
-                pid, node = self._ray.get(actor.start.remote(command, {**route.env, WORKER_TOKEN_ENV: token}),
+                pid, started_on = self._ray.get(actor.start.remote(command, {**route.env, WORKER_TOKEN_ENV: token}),
                                           timeout=max(deadline - time.monotonic(), 1e-3))
             except self._ray.exceptions.GetTimeoutError:
                 raise WorkerStartFailed(f"no node took stage {stage_id} replica {replica}'s bundle {bundle} "
                                         f"within {startup_timeout:g} s") from None
+            if started_on != node:
+                raise WorkerStartFailed(f"stage {stage_id} replica {replica}'s bundle moved from node {node} to "
+                                        f"{started_on} while its worker started")
             process = RayWorkerProcess(actor, pid, node)
             sock = accept_tcp_worker(listener, token, process, deadline)
             return WorkerClient.attach(route, generation=generation, process=process, sock=sock,
@@ -321,14 +349,31 @@ class RayCluster:
             except Exception:  # the cluster is going away already
                 pass
         self._groups.clear()
+        self._bundles.clear()
         if self._started_ray and self._ray.is_initialized():
             self._ray.shutdown()
 
 
-def _check_fits(stage_id: int, replicas: int, placement: PlacementConfig, nodes: list[dict[str, Any]]) -> None:
+@dataclass(frozen=True)
+class StagePlacement:
+    """What one graph stage asks of the cluster: `replicas` bundles as its `placement` says, each
+    with the replica's ledger demand on RAM as Ray's `memory`."""
+
+    stage_id: int
+    replicas: int
+    placement: PlacementConfig
+    demands: Mapping[str, int]
+
+    def bundle(self) -> dict[str, float]:
+        """One replica's Ray placement-group bundle."""
+        ram = self.demands.get(RAM_DEMAND, 0)
+        return {**self.placement.bundle(), **({"memory": float(ram)} if ram else {})}
+
+
+def _check_fits(stage: StagePlacement, nodes: list[dict[str, Any]]) -> None:
     """Refuse a stage whose bundles no set of the cluster's nodes could hold (their totals, not
     what is free now), naming the resource."""
-    bundle = placement.bundle()
+    stage_id, replicas, placement, bundle = stage.stage_id, stage.replicas, stage.placement, stage.bundle()
     alive = [node.get("Resources", {}) for node in nodes if node.get("Alive")]
     for name, amount in bundle.items():
         most = max((totals.get(name, 0.0) for totals in alive), default=0.0)
@@ -352,4 +397,4 @@ def cluster_for(deploy: DeployConfig) -> RayCluster | None:
     return RayCluster(deploy.ray_address) if deploy.distributed_executor_backend == "ray" else None
 
 
-__all__ = ["ClusterUnavailable", "RayCluster", "RayWorkerProcess", "WorkerHost", "cluster_for"]
+__all__ = ["ClusterUnavailable", "RayCluster", "RayWorkerProcess", "StagePlacement", "WorkerHost", "cluster_for"]

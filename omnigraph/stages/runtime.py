@@ -47,9 +47,10 @@ from omnigraph.stages.metrics import EngineMetrics, LedgerMetrics
 from omnigraph.stages.monitor import StageMonitor
 from omnigraph.stages.native_stage import NativeStage, ServedEngine
 from omnigraph.stages.protocols import ServingStage
-from omnigraph.stages.ray_cluster import RayCluster, cluster_for
+from omnigraph.stages.ray_cluster import DEFAULT_PLACEMENT, RayCluster, StagePlacement, cluster_for
 from omnigraph.stages.startup import StartCancel
 from omnigraph.workers.client import WorkerClient
+from omnigraph.workers.errors import WorkerStartFailed
 
 logger = logging.getLogger("omnigraph.stages")
 
@@ -97,14 +98,18 @@ class StageRuntime:
             self.ledger.declare_capacities(stage.deploy.resource_budget.capacities,
                                            declared_by=f"stage {stage.stage_id}")
         owners = [(stage, replica) for stage in stages for replica in range(stage.deploy.num_replicas)]
-        reservations = self.ledger.reserve_all([
-            (_owner(stage, replica), stage.deploy.resource_budget.demands) for stage, replica in owners
-        ])
+        self._place_on_cluster(stages)
+        try:
+            reservations = self.ledger.reserve_all(
+                [(_owner(stage, replica), stage.deploy.resource_budget.demands) for stage, replica in owners],
+                nodes=[self._node_of(stage, replica) for stage, replica in owners])
+        except BaseException:
+            self._close_cluster()
+            raise
         logger.info("pipeline %s: reserved %d replica(s) of %d stage(s)", self.pipeline.model_type, len(owners),
                     len(stages))
         launched = self._starting
         try:
-            self._place_on_cluster(stages)
             for (stage, replica), reservation in zip(owners, reservations):
                 self.cancel.check(f"after {len(launched)} of {len(owners)} replicas")
                 stage.start_replica(replica, reservation, self.ledger, launched)
@@ -130,9 +135,17 @@ class StageRuntime:
         before any worker starts (ray_cluster.py); nothing for a local plan."""
         self._cluster = cluster_for(self.deploy)
         if self._cluster is not None:
-            self._cluster.reserve([(stage.stage_id, stage.deploy.num_replicas, stage.deploy.placement)
+            self._cluster.reserve([StagePlacement(stage.stage_id, stage.deploy.num_replicas,
+                                                  stage.deploy.placement or DEFAULT_PLACEMENT,
+                                                  stage.deploy.resource_budget.demands)
                                    for stage in stages if isinstance(stage, GraphStage)], timeout=self.startup_timeout)
             logger.info("pipeline %s: placement groups placed on the Ray cluster", self.pipeline.model_type)
+
+    def _node_of(self, stage: ServingStage, replica: int) -> str | None:
+        """The Ray node a graph replica's bundle is on (where the ledger charges it), None locally."""
+        if self._cluster is None or not isinstance(stage, GraphStage):
+            return None
+        return self._cluster.bundle_node(stage.stage_id, replica, self.startup_timeout)
 
     def _close_cluster(self) -> None:
         if self._cluster is not None:
@@ -172,7 +185,7 @@ class StageRuntime:
                 client = WorkerClient.start(stage.route, generation=next(self._generations),
                                             startup_timeout=self.startup_timeout)
             else:
-                client = self._cluster.start_worker(stage.stage_id, replica, stage.route, stage.deploy.placement,
+                client = self._cluster.start_worker(stage.stage_id, replica, stage.route, str(reservation.node),
                                                     generation=next(self._generations),
                                                     startup_timeout=self.startup_timeout)
         except Exception as exc:
@@ -197,7 +210,11 @@ class StageRuntime:
     def start_replacement(self, stage: GraphStage, slot: int, restarts: int, launched: Launched) -> GraphReplica:
         """A new generation for a retired slot: its own reservation, start, load, warmup; all of it
         given back if any step fails."""
-        reservation = self.ledger.reserve(_owner(stage, slot), stage.deploy.resource_budget.demands)
+        try:
+            node = self._node_of(stage, slot)
+        except WorkerStartFailed as exc:
+            raise StageStartupError(stage.stage_id, slot, str(exc)) from exc
+        reservation = self.ledger.reserve(_owner(stage, slot), stage.deploy.resource_budget.demands, node=node)
         try:
             return self.start_replica(stage, slot, reservation, launched, restarts=restarts)
         except BaseException:

@@ -37,6 +37,29 @@ def test_reserve_all_admits_a_plan_as_one():
     assert ledger.free("machine:ram") == 0
 
 
+def test_on_a_cluster_each_node_holds_a_machine_s_capacity_and_the_rest_is_plan_wide():
+    ledger = ResourceLedger({"machine:ram": 8 * GiB, "licenses": 3})
+    a = ledger.reserve("stage0/replica0", {"machine:ram": 6 * GiB, "licenses": 1}, node="node-a")
+    b = ledger.reserve("stage0/replica1", {"machine:ram": 6 * GiB, "licenses": 1}, node="node-b")
+    assert (a.node, b.node) == ("node-a", "node-b") and a.charges() == {"machine:ram@node-a": 6 * GiB,
+                                                                           "licenses": 1}
+    with pytest.raises(ReservationRefused) as refused:  # node-a has 2 GiB left, whatever node-b has
+        ledger.reserve_all([("stage1/replica0", {"machine:ram": 1 * GiB}),
+                            ("stage1/replica1", {"machine:ram": 3 * GiB})], nodes=["node-b", "node-a"])
+    assert (refused.value.owner, refused.value.constraint, refused.value.demand, refused.value.free) == (
+        "stage1/replica1", "machine:ram@node-a", 3 * GiB, 2 * GiB)
+    assert ledger.free("machine:ram@node-b") == 2 * GiB and ledger.free("machine:ram") == 8 * GiB
+    with pytest.raises(ReservationRefused, match="licenses"):  # plan-wide: 2 of 3 held across both nodes
+        ledger.reserve("stage1/replica0", {"licenses": 2}, node="node-c")
+    constraints = ledger.snapshot()["constraints"]
+    assert constraints["machine:ram@node-a"] == {"capacity": 8 * GiB, "held": 6 * GiB, "quarantined": 0,
+                                                 "free": 2 * GiB}
+    assert constraints["licenses"]["held"] == 2 and constraints["machine:ram"]["held"] == 0
+    assert [r["node"] for r in ledger.snapshot()["reservations"]] == ["node-a", "node-b"]
+    with pytest.raises(ValueError, match="'@' is reserved"):
+        ledger.reserve("stage2", {"machine:ram@node-a": 1})
+
+
 def test_unknown_constraint_and_bad_amounts_are_refused():
     ledger = make_ledger()
     with pytest.raises(ReservationRefused, match="no capacity is declared"):

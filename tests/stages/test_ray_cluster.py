@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from omnigraph import AsyncOmni, Omni  # noqa: E402
-from omnigraph.stages.errors import StageUnavailable  # noqa: E402
+from omnigraph.stages.errors import ReservationRefused, StageUnavailable  # noqa: E402
 from omnigraph.stages.ray_cluster import ClusterUnavailable  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -58,14 +58,18 @@ def local_plan(tmp_path_factory) -> Path:
     return example.prepare(tmp_path_factory.mktemp("two-stage"))
 
 
-def _ray_plan(local_plan: Path, name: str, placements: list[dict], *, replicas: list[int] | None = None) -> Path:
-    """The example plan on the Ray backend, each stage placed as `placements` says."""
+def _ray_plan(local_plan: Path, name: str, placements: list[dict], *, replicas: list[int] | None = None,
+              ram_demand: int | None = None) -> Path:
+    """The example plan on the Ray backend, each stage placed as `placements` says (stage 0's
+    replicas each demanding `ram_demand` bytes of its machine's RAM, if given)."""
     data = yaml.safe_load(local_plan.read_text())
     data["distributed_executor_backend"] = "ray"
     for index, (stage, placement) in enumerate(zip(data["stages"], placements)):
         stage["placement"] = placement
         if replicas is not None:
             stage["num_replicas"] = replicas[index]
+    if ram_demand is not None:
+        data["stages"][0]["resource_budget"]["demands"]["machine:ram"] = ram_demand
     plan = local_plan.with_name(f"{name}.yaml")
     plan.write_text(yaml.safe_dump(data))
     return plan
@@ -111,10 +115,47 @@ def test_two_stages_on_two_nodes_answer_as_the_local_backend_does(cluster, local
 def test_a_plan_the_cluster_cannot_hold_is_refused_before_any_worker_starts(cluster, local_plan, placement,
                                                                              message):
     plan = _ray_plan(local_plan, "too-big", [{"resources": {"node_b": 1}}, placement], replicas=[1, 2])
-    free = ray.available_resources()
+    assert _all_free()
     with pytest.raises(ClusterUnavailable, match=message):
         Omni(deploy_config=plan)
-    assert _live_placement_groups() == [] and ray.available_resources() == free  # nothing held, nothing started
+    assert _live_placement_groups() == [] and _all_free()  # nothing held, nothing started
+
+
+def test_the_ledger_charges_each_replica_to_the_node_ray_placed_it_on(cluster, local_plan):
+    """The example's machines have 2 GiB of RAM each (its ledger capacity): two replicas of
+    1.5 GiB do not fit on one node, and do on two, each charged to its own."""
+    packed = _ray_plan(local_plan, "packed", [{"resources": {"node_b": 0.5}}, {"resources": {"node_a": 1}}],
+                       replicas=[2, 1], ram_demand=3 << 29)
+    assert _all_free()
+    refusal = rf"stage0/replica0 \+ stage0/replica1: .*machine:ram@{_node_with('node_b')}"
+    with pytest.raises(ReservationRefused, match=refusal):
+        Omni(deploy_config=packed)
+    assert _live_placement_groups() == [] and _all_free()
+
+    spread = _ray_plan(local_plan, "spread-wide", [{"num_cpus": 2, "strategy": "STRICT_SPREAD"},
+                                                   {"resources": {"node_a": 1}}], replicas=[2, 1], ram_demand=3 << 29)
+    with Omni(deploy_config=spread) as omni:
+        nodes = sorted(_nodes_of(omni)[0])
+        assert nodes == sorted([_node_with("node_b"), _node_with("node_c")])
+        ledger = omni.runtime.ledger.snapshot()["constraints"]
+        for node in nodes:
+            assert ledger[f"machine:ram@{node}"]["held"] == 3 << 29
+        assert ledger[f"machine:ram@{_node_with('node_a')}"]["held"] == 256 << 20
+        assert ledger["machine:ram"]["held"] == 0  # nothing runs on "this machine" as such
+        assert len(omni.generate([{"tensors": {"x": x}} for x in example.make_inputs(4)])) == 4
+
+
+def _all_free(timeout: float = 10.0) -> bool:
+    """Whether every node's resources are free again within `timeout` s (Ray returns a removed
+    placement group's resources asynchronously; nothing else runs on this cluster)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        total, free = ray.cluster_resources(), ray.available_resources()
+        if all(free.get(name) == amount for name, amount in total.items() if name != "object_store_memory"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def _live_placement_groups() -> list[str]:
@@ -173,6 +214,9 @@ async def _serve_through_a_node_loss(cluster: Cluster, plan: Path) -> None:
             await asyncio.sleep(0.2)
         watcher.cancel()
         assert _nodes_of(omni)[0] == [node_d, node_d]  # the lost replica was replaced on the survivor
+        ledger = omni.runtime.ledger.snapshot()["constraints"]  # and charged there; the lost one released
+        assert ledger[f"machine:ram@{node_d}"]["held"] == 2 * (256 << 20)
+        assert (ledger[f"machine:ram@{node_e}"]["held"], ledger[f"machine:ram@{node_e}"]["quarantined"]) == (0, 0)
         assert omni.runtime.stage_states()[0] == ("ok", None) and not omni.health()
         # while it was being replaced, the stage said so (one replica serving)
         assert any(state == "degraded" and "1 of 2 replicas serve" in (why or "") for state, why in states), states

@@ -46,10 +46,26 @@ constexpr int kThreads = kConsumerWarps * 32;
 constexpr int kMaxNt = 8;       // n8 tiles per task
 constexpr int kRound = 4;       // k32 blocks per warp per round of A loads
 constexpr int kInFlight = 16;   // tasks whose weights may be in the ring at once
-constexpr int kTraceLayer = 5;
 constexpr int kDebugNoALoads = 1;  // timing experiments only: results are wrong with these
 constexpr int kDebugNoMma = 2;
-constexpr int kTraceRecords = 32;
+// With a trace, thread 0 of every CTA stamps each task's moments (TraceMoment, %globaltimer) into
+// one record of kTraceFields per (layer, phase, CTA). A phase of at most `grid` tasks (every phase of
+// the default plan) gives a CTA at most one task per phase and layer; with more, the later task's
+// record is kept.
+enum TraceMoment {
+  kBegin,      // the task starts
+  kDependency, // the previous phase is seen complete (after the CTA barrier)
+  kWeights,    // the task's weights have landed
+  kGemm,       // every 64-row block is multiplied and stored (epilogue or partials)
+  kIssued,     // thread 0 has issued the weight copies that the freed ring region allows
+  kTicket,     // split phases: the tile's ticket is taken and every thread knows the finisher
+  kEpilogue,   // the finisher has summed the partials and run the epilogue
+  kMet,        // LayerNorm phases: every tile of the phase has added its statistics
+  kNormalized, // LayerNorm phases: this tile's columns are normalised
+  kSignalled,  // the phase counter is incremented
+  kMoments
+};
+constexpr int kTraceFields = 1 + kMoments;  // flags (1 = recorded, 2 = finisher), then the moments
 constexpr int kD = 1024;
 constexpr int kF = 2624;
 constexpr int kQkv = 3072;
@@ -491,18 +507,18 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
   const int m = p.m;
   const int kh = warp >> 2;
   int ready = -1;  // highest global phase known complete (thread 0's view)
-  // With a trace, CTA 0 records its tasks of layer kTraceLayer: phase, then the moments (thread 0's
-  // view) it began, found its dependency met, had its weights, finished its GEMM, signalled.
-  uint64_t stamp[5] = {0, 0, 0, 0, 0};
-  int records = 0;
+  uint64_t stamp[kMoments];  // the current task's TraceMoments (thread 0's view), with a trace
   for (int index = blockIdx.x; index < total; index += grid) {
     const Task task = Locate(index, p.prefix);
     const PhasePlan& pp = p.ph[task.phase];
     const TaskGeo geo = Geo(pp, task.local);
     const int q = task.layer * kPhases + task.phase;
-    const bool traced = kInstrumented && p.args.trace != nullptr && blockIdx.x == 0 && threadIdx.x == 0 &&
-                        task.layer == min(kTraceLayer, p.args.layers - 1) && records < kTraceRecords;
-    if (traced) stamp[0] = GlobalTimer();
+    const bool traced = kInstrumented && p.args.trace != nullptr && threadIdx.x == 0;
+    auto mark = [&](int moment) {
+      if (traced) stamp[moment] = GlobalTimer();
+    };
+    for (int i = 0; i < kMoments; ++i) stamp[i] = 0;
+    mark(kBegin);
     if (threadIdx.x == 0 && q > 0 && ready < q - 1) {
       const int prev = (q - 1) % kPhases, prev_layer = (q - 1) / kPhases;
       const int need = p.ph[prev].tiles;
@@ -511,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       ready = q - 1;
     }
     ConsumerSync();
-    if (traced) stamp[1] = stamp[2] = GlobalTimer();
+    mark(kDependency);
     // The statistics of the LayerNorm that the previous phase finished have no reader left.
     if ((task.phase == 1 || task.phase == 3) && task.local == 0) {
       double* st = p.buf.stats + (task.phase == 3 ? 2 * p.m_pad : 0);
@@ -540,7 +556,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
     if (start % ring_bytes + bytes > ring_bytes) start += ring_bytes - start % ring_bytes;
     head = start + bytes;
     MbarWait(&full[j % kInFlight], (j / kInFlight) & 1);
-    if (traced) stamp[2] = GlobalTimer();
+    mark(kWeights);
     const uint4* w_smem = reinterpret_cast<const uint4*>(ring + start % ring_bytes);
     const int lane = threadIdx.x & 31, mw = warp & 3;
     const int g = lane >> 2, t = lane & 3;
@@ -581,12 +597,13 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       }
       ConsumerSync();
     }
+    mark(kGemm);
     ++j;  // every warp is past the last ConsumerSync: the task's ring region is free
     if (threadIdx.x == 0) {
       tail = head;
       issue();
     }
-    if (traced) stamp[3] = GlobalTimer();
+    mark(kIssued);
 
     bool finisher = true;
     if (pp.splits > 1) {  // the last task of the tile to arrive sums the partials in split order
@@ -597,6 +614,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
         *flag = last;
       }
       ConsumerSync();
+      mark(kTicket);
       finisher = *flag != 0;
       if (finisher) {
         for (int mb = 0; mb < m; mb += 64) {
@@ -628,6 +646,7 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       }
       ConsumerSync();  // *flag is read by all before the next task may write it
     }
+    mark(kEpilogue);
     if (finisher) {
       if (task.phase == 0 || task.phase == 2) {  // meet the phase's other tiles, then normalise ours
         ConsumerSync();
@@ -638,9 +657,11 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
           }
         }
         ConsumerSync();
+        mark(kMet);
         NormalizeTile(p, lw, task.phase, geo.g0, geo.nt);
       }
       ConsumerSync();
+      mark(kNormalized);
       if (threadIdx.x == 0) {
         int* done = &counters[task.layer * kCountersPerLayer + task.phase];
         if (!kInstrumented || p.args.trace == nullptr) {
@@ -650,11 +671,15 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
         }
       }
     }
-    if (traced) {
-      stamp[4] = GlobalTimer();
-      uint64_t* rec = p.args.trace + 1 + kPhases * kMaxLayers + 6 * records++;
-      rec[0] = uint64_t(task.phase) | (finisher ? 0x100u : 0u);
-      for (int i = 0; i < 5; ++i) rec[1 + i] = stamp[i];
+    mark(kSignalled);
+    if (traced) {  // moments a task skips (no ticket, no meeting) take the previous one's time
+      uint64_t* rec = p.args.trace + 1 + kPhases * kMaxLayers + (size_t(q) * grid + blockIdx.x) * kTraceFields;
+      rec[0] = 1u | (finisher ? 2u : 0u);
+      rec[1] = stamp[0];
+      for (int i = 1; i < kMoments; ++i) {
+        if (stamp[i] == 0) stamp[i] = stamp[i - 1];
+        rec[1 + i] = stamp[i];
+      }
     }
   }
 

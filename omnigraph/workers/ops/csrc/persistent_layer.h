@@ -49,7 +49,8 @@ struct Args {
   float* h_out;              // [m, 1024] residual stream after the last layer's MLP
   __nv_bfloat16* qkv_out;    // [m, 3072] the next layer's qkv
   uint64_t* trace;  // nullable: [0] kernel start, [1 + layer * 4 + phase] when that phase completed (ns),
-                    // then 32 records of 6 (CTA 0's tasks of layer 5: phase and 5 moments), 1 + 4 * 28 + 192 in all
+                    // then per (layer * 4 + phase, CTA) a record of 11: flags (1 recorded, 2 finisher) and
+                    // the 10 moments of persistent_layer.cu's TraceMoment; 1 + 4 * 28 * (1 + grid * 11) in all
   int debug_flags;  // 0; timing experiments: 1 = no A loads, 2 = no mma (wrong results)
   LayerWeights weights[kMaxLayers];
 };
