@@ -171,6 +171,7 @@ class GraphReplica:
             "generation": self.client.generation,
             "restarts": self.restarts,
             "pid": self.client.pid,
+            "node": self.client.process.node,
             "state": self.state,
             "in_flight": [item.request_id for item in self._current],
             "retired_reason": self.retired_reason,
