@@ -74,9 +74,11 @@ _plans = iter(range(10**6))
 
 def chain_plan(bundles: dict[str, Path], *names: str, replicas: int = 1, capacity: int | None = None,
                demand: int | None = None, max_queued_requests: int = 32, max_io_bytes: int | None = None,
-               restart: dict[str, Any] | None = None, batching: dict[str, Any] | None = None, **route: Any):
+               restart: dict[str, Any] | None = None, batching: dict[str, Any] | None = None,
+               placement: dict[str, Any] | None = None, **route: Any):
     """A deploy plan chaining the named bundles, declared inline (one stage each, in order);
-    `restart` and `batching` are the stages' deploy keys of those names."""
+    `restart` and `batching` are the stages' deploy keys of those names; a `placement` puts the
+    plan on Ray (distributed_executor_backend: ray), every stage placed so."""
     stages = []
     for stage_id, name in enumerate(names):
         stage: dict[str, Any] = {
@@ -92,6 +94,8 @@ def chain_plan(bundles: dict[str, Path], *names: str, replicas: int = 1, capacit
             stage["restart"] = restart
         if batching is not None:
             stage["batching"] = batching
+        if placement is not None:
+            stage["placement"] = placement
         if stage_id:
             stage["input_sources"] = [stage_id - 1]
         if stage_id == len(names) - 1:
@@ -100,7 +104,8 @@ def chain_plan(bundles: dict[str, Path], *names: str, replicas: int = 1, capacit
             stage["resource_budget"] = {"capacities": {"machine:ram": capacity}, "demands": {"machine:ram": demand}}
         stages.append(stage)
     return validate_deploy_config({"pipeline": f"test-chain-{next(_plans)}", "max_queued_requests": max_queued_requests,
-                                   "stages": stages})
+                                   "stages": stages,
+                                   **({"distributed_executor_backend": "ray"} if placement is not None else {})})
 
 
 def child_pids() -> set[int]:

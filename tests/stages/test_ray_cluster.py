@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from omnigraph import AsyncOmni, Omni  # noqa: E402
-from omnigraph.stages.errors import ReservationRefused, StageUnavailable  # noqa: E402
+from omnigraph.stages.errors import RequestCancelled, ReservationRefused, StageUnavailable  # noqa: E402
 from omnigraph.stages.ray_cluster import ClusterUnavailable  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -143,6 +143,32 @@ def test_the_ledger_charges_each_replica_to_the_node_ray_placed_it_on(cluster, l
         assert ledger[f"machine:ram@{_node_with('node_a')}"]["held"] == 256 << 20
         assert ledger["machine:ram"]["held"] == 0  # nothing runs on "this machine" as such
         assert len(omni.generate([{"tensors": {"x": x}} for x in example.make_inputs(4)])) == 4
+
+
+def test_a_call_cancelled_on_a_remote_worker_is_fenced_and_the_worker_serves_on(cluster, make_plan, engine):
+    """As locally (test_orchestrator.py): the abort reaches the worker on node_b over the wire."""
+    medium = {"tensors": {"x": np.zeros((384, 384), np.float32)}}  # a call of about half a second
+    small = {"tensors": {"x": np.ones((4, 4), np.float32)}}
+
+    async def main():
+        plan = make_plan("slow", capacity=1000, demand=300, restart={"max_restarts": 0},
+                         placement={"resources": {"node_b": 1}})
+        async with AsyncOmni(deploy_config=plan) as omni:
+            assert _nodes_of(omni) == {0: [_node_with("node_b")]}
+            task = asyncio.create_task(engine.first(omni, medium, "doomed"))
+            await engine.until_in_flight(omni, "doomed")
+            (before,) = engine.replicas(omni)
+            await omni.abort("doomed")
+            with pytest.raises(RequestCancelled, match="doomed was aborted"):
+                await task
+            answer = await engine.first(omni, small, "later")  # the same worker, after the fenced call
+            (after,) = engine.replicas(omni)
+            return before, after, answer, omni.health()
+
+    before, after, answer, health = asyncio.run(main())
+    assert answer.custom_output["h200"].shape == (4, 4) and health == {}
+    assert (after["pid"], after["node"], after["state"]) == (before["pid"], before["node"], "serving")
+    assert after["fenced_calls"] == 1 and after["epoch"] == 1
 
 
 def _all_free(timeout: float = 10.0) -> bool:
