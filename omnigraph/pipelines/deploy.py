@@ -487,8 +487,8 @@ def resolve_pipeline(deploy: DeployConfig) -> PipelineConfig:
 # Keys of a graph stage that a native stage has no use for, and why.
 _GRAPH_ONLY_KEYS = {
     "num_replicas": "runs one vLLM engine; scale it inside vLLM (engine_args tensor_parallel_size, data_parallel_size)",
-    "placement": "runs in this process, also under distributed_executor_backend: ray (its own Ray placement "
-                 "through engine_args distributed_executor_backend is not supported yet)",
+    "placement": "runs in this process, also under distributed_executor_backend: ray (placing vLLM's engine "
+                 "on another node through its own Ray executor is not supported: vLLM's CPU build has none)",
     "batching": "is batched by vLLM's scheduler (engine_args max_num_seqs, max_num_batched_tokens)",
     "restart": "is never restarted: a dead engine fails the stage",
     "env": "runs in this process (set the environment of the process itself)",

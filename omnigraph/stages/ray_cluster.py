@@ -260,8 +260,10 @@ class RayCluster:
         self._groups: dict[int, Any] = {}
         self._bundles: dict[int, dict[str, float]] = {}
         self._host_class: Any = ray.remote(WorkerHost)  # an actor class (typed loosely by Ray)
-        # the address this node's workers and the others reach the controller by
+        # the address this node's workers and the others reach the controller by, and its node id
+        # (where what runs in this process, a native stage, is charged)
         self.controller_host = ray.util.get_node_ip_address()
+        self.controller_node = str(ray.get_runtime_context().get_node_id())
 
     def reserve(self, stages: Sequence[StagePlacement], timeout: float) -> None:
         """One placement group per stage, all placed within `timeout` s, or none kept

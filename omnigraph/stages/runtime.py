@@ -142,9 +142,12 @@ class StageRuntime:
             logger.info("pipeline %s: placement groups placed on the Ray cluster", self.pipeline.model_type)
 
     def _node_of(self, stage: ServingStage, replica: int) -> str | None:
-        """The Ray node a graph replica's bundle is on (where the ledger charges it), None locally."""
-        if self._cluster is None or not isinstance(stage, GraphStage):
+        """The Ray node the ledger charges a replica to: a graph replica's bundle's, this process's
+        for a native stage (it runs here); None for a local plan."""
+        if self._cluster is None:
             return None
+        if not isinstance(stage, GraphStage):
+            return self._cluster.controller_node
         return self._cluster.bundle_node(stage.stage_id, replica, self.startup_timeout)
 
     def _close_cluster(self) -> None:

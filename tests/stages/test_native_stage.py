@@ -80,9 +80,14 @@ def _head_bundle(folder, backbone, weights: np.ndarray, *, hidden: int = HIDDEN)
 
 
 def _plan(bundle, **native):
+    return validate_deploy_config(_plan_data(bundle, **native))
+
+
+def _plan_data(bundle, **native) -> dict:
+    """The plan's YAML data: the backbone in vLLM (the backend's keys `native` changed), the head."""
     backend = {"name": NATIVE_BACKEND, "model": str(bundle / "backbone"), "max_model_len": 512, "startup_timeout_s": 300,
                "engine_args": ENGINE_ARGS, **native}
-    return validate_deploy_config({
+    return {
         "pipeline": PIPELINE.model_type,
         "stages": [
             {"stage_id": 0, "backend": backend,
@@ -91,7 +96,7 @@ def _plan(bundle, **native):
                                         "route": {"name": "local-cpu", "interpreter": sys.executable}},
              "resource_budget": {"capacities": {"machine:ram": 16 * GiB}, "demands": {"machine:ram": GiB}}},
         ],
-    })
+    }
 
 
 @pytest.fixture(scope="module")
@@ -361,3 +366,41 @@ def test_engine_arguments_vllm_refuses_fail_the_start_and_release_the_plan(bundl
     with pytest.raises(NativeStageError, match=r"(?s)stage 0 replica 0: vLLM .* did not start .*enforce_eager"):
         runtime.start()
     assert ledger.snapshot()["constraints"]["machine:ram"]["held"] == 0 and ledger.snapshot()["reservations"] == []
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_on_a_ray_cluster_the_backbone_runs_here_and_its_head_on_another_node(bundle, reference, weights):
+    """The issue's first case: a vLLM backbone on this node, its head bundle's replica on another
+    (every node on 127.0.0.1); each charged to its own node's RAM."""
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}})
+    cluster.add_node(num_cpus=1, resources={"node_b": 1})
+    ray.init(address=cluster.address, log_to_driver=False)
+    try:
+        cluster.wait_for_nodes()
+        [head_node] = [n["NodeID"] for n in ray.nodes() if "node_b" in n["Resources"]]
+        [this_node] = [n["NodeID"] for n in ray.nodes() if "node_a" in n["Resources"]]
+        data = _plan_data(bundle)
+        data["distributed_executor_backend"] = "ray"
+        data["stages"][1]["placement"] = {"resources": {"node_b": 1}}
+        prompts = [[5, 6, 7], list(range(100, 160))]
+
+        async def main():
+            async with AsyncOmni(deploy_config=validate_deploy_config(data), startup_timeout=300) as omni:
+                output = await _run(omni, prompts)
+                plan = omni.execution_plan
+                return output, plan["stages"][1]["replicas"][0]["node"], plan["ledger"]["constraints"]
+
+        output, node, ledger = asyncio.run(main())
+        np.testing.assert_allclose(output.custom_output["projected"], reference(prompts) @ weights, atol=1e-3, rtol=0)
+        assert node == head_node
+        assert ledger[f"machine:ram@{this_node}"]["held"] == 2 * GiB  # the backbone, in this process
+        assert ledger[f"machine:ram@{head_node}"]["held"] == GiB
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
