@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -23,7 +24,12 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from omnigraph import AsyncOmni, Omni  # noqa: E402
-from omnigraph.stages.errors import RequestCancelled, ReservationRefused, StageUnavailable  # noqa: E402
+from omnigraph.stages.errors import (  # noqa: E402
+    DeadlineExceeded,
+    RequestCancelled,
+    ReservationRefused,
+    StageUnavailable,
+)
 from omnigraph.stages.ray_cluster import ClusterUnavailable  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -169,6 +175,48 @@ def test_a_call_cancelled_on_a_remote_worker_is_fenced_and_the_worker_serves_on(
     assert answer.custom_output["h200"].shape == (4, 4) and health == {}
     assert (after["pid"], after["node"], after["state"]) == (before["pid"], before["node"], "serving")
     assert after["fenced_calls"] == 1 and after["epoch"] == 1
+
+
+def test_the_fault_model_holds_for_a_remote_worker(cluster, make_plan, engine):
+    """As locally (test_orchestrator.py, test_restarts.py), for a worker on node_b: a deadline
+    passed inside a call fences it and the worker serves on; a worker killed mid-call fails its
+    request with a retryable 503 and a new generation is started on the same node, its charge
+    there held again and nothing quarantined."""
+    big = {"tensors": {"x": np.zeros((1024, 1024), np.float32)}}  # a call that runs for many seconds
+    small = {"tensors": {"x": np.ones((4, 4), np.float32)}}
+    node_b = _node_with("node_b")
+
+    async def main():
+        plan = make_plan("slow", capacity=1000, demand=300, placement={"resources": {"node_b": 1}})
+        async with AsyncOmni(deploy_config=plan) as omni:
+            (first,) = engine.replicas(omni)
+            os.kill(first["pid"], signal.SIGSTOP)  # the nodes share this machine: its pid is ours to signal
+            try:
+                with pytest.raises(DeadlineExceeded, match="deadline passed inside stage 0"):
+                    await engine.first(omni, small, "late", deadline_s=2.0)
+                await engine.until(lambda: engine.replicas(omni)[0]["fenced_calls"] == 1, "the call fenced")
+            finally:
+                os.kill(first["pid"], signal.SIGCONT)
+            assert (await engine.first(omni, small, "after")).custom_output["h200"].shape == (4, 4)
+            assert engine.replicas(omni)[0]["pid"] == first["pid"]
+
+            task = asyncio.create_task(engine.first(omni, big, "doomed"))
+            await engine.until_in_flight(omni, "doomed")
+            os.kill(first["pid"], signal.SIGKILL)
+            with pytest.raises(StageUnavailable, match="WorkerDied") as died:
+                await task
+            assert died.value.retry_after is not None
+            await engine.until_serving(omni, generation=first["generation"] + 1)
+            answer = await engine.first(omni, small, "after-replacement")
+            return first, engine.replicas(omni)[0], answer, omni.ledger_snapshot()
+
+    first, second, answer, ledger = asyncio.run(main())
+    assert answer.custom_output["h200"].shape == (4, 4)
+    assert (second["node"], second["restarts"]) == (node_b, 1) and second["pid"] != first["pid"]
+    assert ledger["constraints"][f"machine:ram@{node_b}"] == {"capacity": 1000, "held": 300, "quarantined": 0,
+                                                             "free": 700}
+    assert [(r["owner"], r["state"], r["node"]) for r in ledger["reservations"]] == [
+        ("stage0/replica0", "held", node_b)]
 
 
 def _all_free(timeout: float = 10.0) -> bool:
