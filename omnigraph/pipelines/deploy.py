@@ -314,12 +314,17 @@ class PlacementConfig(_Strict):
     """Where a graph stage's replicas run under `distributed_executor_backend: ray`: one Ray
     placement group per stage with a bundle per replica, each bundle holding `num_cpus`, `num_gpus`
     and `resources` (custom node resources, e.g. `{node_b: 1}` to pin to nodes started with that
-    resource), its bundles spread by `strategy` (Ray's: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD)."""
+    resource), its bundles spread by `strategy` (Ray's: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD),
+    and, with `gpu_memory_resource`, the replica's GPU memory."""
 
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     num_cpus: float = Field(default=1.0, ge=0)
     num_gpus: float = Field(default=0.0, ge=0)
     resources: dict[str, float] = Field(default_factory=dict)
+    # Ray has no GPU-memory resource: a cluster whose GPU nodes advertise theirs in bytes under a
+    # custom resource (`ray start --resources '{"gpu_memory_bytes": 85899345920}'`) names it here,
+    # and each replica's bundle then asks for its `machine:vram:*` demand of it.
+    gpu_memory_resource: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _check_resources(self) -> PlacementConfig:
@@ -331,6 +336,9 @@ class PlacementConfig(_Strict):
                 raise ValueError(f"resources.{name}: must be > 0, got {amount}")
         if not (self.num_cpus or self.num_gpus or self.resources):
             raise ValueError("a replica's bundle must ask for something (num_cpus, num_gpus or resources)")
+        if self.gpu_memory_resource in self.resources:
+            raise ValueError(f"gpu_memory_resource: {self.gpu_memory_resource!r} is also in resources; its amount "
+                             "comes from the stage's machine:vram demand")
         return self
 
     def bundle(self) -> dict[str, float]:

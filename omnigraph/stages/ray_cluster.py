@@ -61,6 +61,8 @@ ACTOR_CALL_TIMEOUT_S = 30.0
 DEFAULT_PLACEMENT = PlacementConfig()
 #: The ledger demand that becomes the bundle's Ray `memory` (bytes): the one a node advertises.
 RAM_DEMAND = "machine:ram"
+#: The ledger demands on a GPU's memory: a placement's `gpu_memory_resource` asks for their sum.
+VRAM_DEMAND_PREFIX = "machine:vram:"
 # Why: a bundle whose node was lost is placed again by Ray within seconds when a survivor has room;
 # a replacement polls for it this often until its startup timeout.
 BUNDLE_POLL_S = 0.1
@@ -359,7 +361,8 @@ class RayCluster:
 @dataclass(frozen=True)
 class StagePlacement:
     """What one graph stage asks of the cluster: `replicas` bundles as its `placement` says, each
-    with the replica's ledger demand on RAM as Ray's `memory`."""
+    with the replica's ledger demand on RAM as Ray's `memory` and, where the placement names the
+    cluster's GPU-memory resource, its demand on GPU memory as that."""
 
     stage_id: int
     replicas: int
@@ -368,8 +371,13 @@ class StagePlacement:
 
     def bundle(self) -> dict[str, float]:
         """One replica's Ray placement-group bundle."""
-        ram = self.demands.get(RAM_DEMAND, 0)
-        return {**self.placement.bundle(), **({"memory": float(ram)} if ram else {})}
+        bundle = self.placement.bundle()
+        if ram := self.demands.get(RAM_DEMAND, 0):
+            bundle["memory"] = float(ram)
+        vram = sum(amount for name, amount in self.demands.items() if name.startswith(VRAM_DEMAND_PREFIX))
+        if self.placement.gpu_memory_resource is not None and vram:
+            bundle[self.placement.gpu_memory_resource] = float(vram)
+        return bundle
 
 
 def _check_fits(stage: StagePlacement, nodes: list[dict[str, Any]]) -> None:
@@ -392,6 +400,10 @@ def _check_fits(stage: StagePlacement, nodes: list[dict[str, Any]]) -> None:
             if most < amount * replicas:
                 raise ClusterUnavailable(f"stage {stage_id}: STRICT_PACK puts {replicas} replicas on one node, "
                                          f"which needs {name} {amount * replicas:g}; the most a node has is {most:g}")
+    room = sum(int(min(totals.get(name, 0.0) // amount for name, amount in bundle.items())) for totals in alive)
+    if room < replicas:
+        raise ClusterUnavailable(f"stage {stage_id}: its {replicas} replicas' bundles {bundle} do not fit the cluster: "
+                                 f"its nodes could hold {room} of them")
 
 
 def cluster_for(deploy: DeployConfig) -> RayCluster | None:

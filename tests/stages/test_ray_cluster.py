@@ -2,8 +2,9 @@
 
 The cluster is Ray's own test cluster (`ray.cluster_utils.Cluster`), every node on 127.0.0.1 with
 its own custom resource (`node_a` on the head, `node_b`, `node_c`), so a plan pins a stage to a
-node by asking for that resource. The pipeline is examples/two_stage_graph.py's: small integer
-weights, so every answer is exact and compares equal to the local backend's.
+node by asking for that resource; node_c also advertises 4 GiB of GPU memory as `gpu_mem`. The
+pipeline is examples/two_stage_graph.py's: small integer weights, so every answer is exact and
+compares equal to the local backend's.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from omnigraph.stages.errors import (  # noqa: E402
 from omnigraph.stages.ray_cluster import ClusterUnavailable  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+GiB = 1 << 30
+GPU_MEM = 4 * GiB  # node_c advertises this much GPU memory (bytes) as the custom resource gpu_mem
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import two_stage_graph as example  # noqa: E402
@@ -54,7 +57,7 @@ def _stop_cluster(cluster: Cluster) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = _start_cluster({"node_b": 1}, {"node_c": 1})
+    cluster = _start_cluster({"node_b": 1}, {"node_c": 1, "gpu_mem": GPU_MEM})
     yield cluster
     _stop_cluster(cluster)
 
@@ -217,6 +220,31 @@ def test_the_fault_model_holds_for_a_remote_worker(cluster, make_plan, engine):
                                                              "free": 700}
     assert [(r["owner"], r["state"], r["node"]) for r in ledger["reservations"]] == [
         ("stage0/replica0", "held", node_b)]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_gpu_memory_is_asked_of_ray_where_the_cluster_advertises_it(cluster, local_plan, replicas):
+    """A replica demanding 3 GiB of `machine:vram:0` on a cluster whose GPU memory is the custom
+    resource gpu_mem: one lands on the one node that has it, two are refused before anything starts."""
+    data = yaml.safe_load(_ray_plan(local_plan, "vram", [{"resources": {"node_a": 1}},
+                                                         {"num_cpus": 1, "gpu_memory_resource": "gpu_mem"}],
+                                    replicas=[1, replicas]).read_text())
+    data["stages"][1]["resource_budget"] = {"capacities": {"machine:ram": 2 * GiB, "machine:vram:0": 8 * GiB},
+                                            "demands": {"machine:ram": 256 << 20, "machine:vram:0": 3 * GiB}}
+    plan = local_plan.with_name("vram.yaml")
+    plan.write_text(yaml.safe_dump(data))
+    assert _all_free()
+    if replicas == 2:
+        with pytest.raises(ClusterUnavailable, match=r"stage 1: its 2 replicas' bundles .*'gpu_mem': 3221225472\.0.* "
+                                                     r"do not fit the cluster: its nodes could hold 1 of them"):
+            Omni(deploy_config=plan)
+        assert _live_placement_groups() == [] and _all_free()
+        return
+    with Omni(deploy_config=plan) as omni:
+        node_c = _node_with("node_c")
+        assert _nodes_of(omni)[1] == [node_c]
+        assert omni.runtime.ledger.snapshot()["constraints"][f"machine:vram:0@{node_c}"]["held"] == 3 * GiB
+        assert ray.available_resources().get("gpu_mem") == GPU_MEM - 3 * GiB  # Ray holds it for the replica too
 
 
 def _all_free(timeout: float = 10.0) -> bool:
