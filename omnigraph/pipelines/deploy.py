@@ -66,6 +66,9 @@ from omnigraph.pipelines.registry import PipelineNotFound, get_pipeline
 from omnigraph.pipelines.strict_yaml import StrictYamlError, YamlSurprise, read_yaml_file
 from omnigraph.workers.route import mailbox_bytes_problem, route_default
 
+#: Resource-budget constraints named so belong to one machine (its RAM, its GPUs' memory): under
+#: distributed_executor_backend: ray the ledger charges them per node (stages/ledger.py).
+MACHINE_PREFIX = "machine:"
 GRAPH_BACKEND = "external.graph.v1"
 NATIVE_BACKEND = "vllm.pooling.v1"
 # Engine arguments omnigraph sets itself: a pooling engine over `model` returning raw hidden states.

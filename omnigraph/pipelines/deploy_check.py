@@ -13,6 +13,8 @@ a start would find, or what nothing finds today:
 - demands above capacity: each stage's demand times its replicas, and the whole plan together, as
   the ResourceLedger reserves it at start (stages/ledger.py; the arithmetic is repeated here because
   the declarations room may not import the engine), and capacities two stages declare differently;
+  on a Ray plan a `machine:` constraint is each node's, so only one replica's demand is held to it
+  (which replicas share a node is Ray's placement, known at start);
 - the route each graph stage's workers would get (workers/route.py `WorkerRoute`), its bundle
   (verified: every hash, unless `verify_bundles=False`) and whether the route fits the bundle (the
   stage's batch adapter built for both, e.g. Laya's fp32 unpadded bundle on fixed shapes).
@@ -40,6 +42,7 @@ from omnigraph.bundles.verify import read_bundle_layout, verify_bundle
 from omnigraph.pipelines.config import PipelineConfig
 from omnigraph.pipelines.deploy import (
     GRAPH_BACKEND,
+    MACHINE_PREFIX,
     MANAGED_ENGINE_ARGS,
     NATIVE_BACKEND,
     DeployConfig,
@@ -149,7 +152,7 @@ def check_deploy_plan(path: str | Path, *, verify_bundles: bool = True) -> Check
             report.add(where, message, hint)
     _check_engine_args(report, stages)
     _check_cuda_graphs(report, stages)
-    _check_budget(report, stages)
+    _check_budget(report, stages, per_node=data.get("distributed_executor_backend") == "ray")
     if deploy is not None:
         _check_plan(report, deploy, verify_bundles)
     else:
@@ -466,9 +469,10 @@ def _amount(value: int) -> str:
     return str(value) if shown == str(value) else f"{value} ({shown})"
 
 
-def _check_budget(report: CheckReport, stages: list[tuple[int, dict[str, Any]]]) -> None:
+def _check_budget(report: CheckReport, stages: list[tuple[int, dict[str, Any]]], *, per_node: bool) -> None:
     """What the ResourceLedger does at start (declare every stage's capacities, reserve every replica's
-    demands at once), as arithmetic: each refusal it would raise, for every constraint."""
+    demands at once), as arithmetic: each refusal it would raise, for every constraint (`per_node`: a
+    Ray plan's `machine:` constraints, where only one replica's demand is sure to share a node)."""
     capacity: dict[str, tuple[int, int]] = {}  # constraint -> (amount, the first stage declaring it)
     charges: dict[str, list[tuple[int, int, int]]] = {}  # constraint -> [(stage index, demand, replicas)]
     for index, stage in stages:
@@ -489,6 +493,8 @@ def _check_budget(report: CheckReport, stages: list[tuple[int, dict[str, Any]]])
             continue  # validation says so
         limit = capacity[name][0]
         over = False
+        if per_node and name.startswith(MACHINE_PREFIX):
+            charged = [(index, amount, 1) for index, amount, _ in charged]
         for index, amount, replicas in charged:
             if amount * replicas > limit:
                 over = True
@@ -498,7 +504,7 @@ def _check_budget(report: CheckReport, stages: list[tuple[int, dict[str, Any]]])
                            "lower the demand" + (" or num_replicas" if replicas > 1 else "") +
                            ", or raise the capacity if the machine has it")
         total = sum(amount * replicas for _, amount, replicas in charged)
-        if not over and total > limit:
+        if not over and total > limit and not (per_node and name.startswith(MACHINE_PREFIX)):
             parts = " + ".join(f"stages[{i}] {_amount(a)}" + (f" x {r}" if r > 1 else "") for i, a, r in charged)
             report.add(f"stages[{charged[-1][0]}].resource_budget.demands.{name}",
                        f"the plan's stages together demand {_amount(total)} ({parts}), above the capacity "
@@ -533,12 +539,18 @@ def _check_plan(report: CheckReport, deploy: DeployConfig, verify_bundles: bool)
         for name, amount in stage.resource_budget.demands.items():
             reserved[name] = reserved.get(name, 0) + amount * stage.num_replicas
     capacities = {name: amount for stage in deploy.stages for name, amount in stage.resource_budget.capacities.items()}
+    on_ray = deploy.distributed_executor_backend == "ray"
     budget = ", ".join(f"{name} {format_bytes(amount)} of {format_bytes(capacities[name])}"
-                       for name, amount in sorted(reserved.items()) if name in capacities)
+                       for name, amount in sorted(reserved.items())
+                       if name in capacities and not (on_ray and name.startswith(MACHINE_PREFIX)))
+    if on_ray and any(name.startswith(MACHINE_PREFIX) for name in reserved):
+        report.notes.append("distributed_executor_backend: ray: machine: demands are admitted on the node Ray places "
+                            "each replica on (each node holding the capacity), at start")
     count = len(deploy.stages)
     report.summary = [
         f"plan OK: pipeline {deploy.pipeline}, {count} stage{'s' * (count != 1)}, "
-        f"{replicas} replica{'s' * (replicas != 1)}" + (f"; reserves {budget}" if budget else ""),
+        f"{replicas} replica{'s' * (replicas != 1)}" + (" on a Ray cluster" if on_ray else "")
+        + (f"; reserves {budget}" if budget else ""),
         *(f"  {line}" for line in described),
     ]
 

@@ -22,10 +22,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from omnigraph.pipelines.deploy import MACHINE_PREFIX
 from omnigraph.stages.errors import CapacityConflict, ReservationRefused, StageError
-
-#: Constraints that belong to one machine (its RAM, its GPUs' memory): charged per node on a cluster.
-MACHINE_PREFIX = "machine:"
 
 
 class ReservationState(str, enum.Enum):

@@ -7,6 +7,7 @@ route-fit check needs one), and a native stage's checkpoint is a folder with a c
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -296,11 +297,44 @@ def _example_script():
 def test_the_examples_pass(tmp_path):
     two_stage_graph = _example_script()
     examples = sorted((REPO / "examples").glob("*.yaml"))
-    assert [p.name for p in examples] == ["two_stage_graph.yaml"]  # a new example plan needs its bundles here
+    # a new example plan needs its bundles here: both examples' are two_stage_graph.py's
+    assert [p.name for p in examples] == ["ray_cluster.yaml", "two_stage_graph.yaml"]
     report = check_deploy_plan(two_stage_graph.prepare(tmp_path))
     assert report.ok, report.format()
     assert report.summary[0] == ("plan OK: pipeline two_stage_graph, 2 stages, 2 replicas; "
                                  "reserves machine:ram 512MiB of 2GiB")
+    shutil.copyfile(REPO / "examples" / "ray_cluster.yaml", tmp_path / "ray_cluster.yaml")
+    report = check_deploy_plan(tmp_path / "ray_cluster.yaml")
+    assert report.ok, report.format()
+    assert report.summary[0] == "plan OK: pipeline two_stage_graph, 2 stages, 3 replicas on a Ray cluster"
+    assert any("machine: demands are admitted on the node Ray places each replica on" in n for n in report.notes)
+
+
+def test_on_a_ray_plan_a_machine_s_capacity_holds_each_replica_not_all_of_them(tmp_path):
+    """Two 1.5 GiB replicas against 2 GiB machines: refused on one machine, fine across nodes (which
+    replicas share a node is Ray's placement); one replica above a machine's capacity is refused
+    on both."""
+    _example_script().prepare(tmp_path)
+    stage = """
+  - stage_id: 0
+    model_stage: features
+    num_replicas: 2
+    final_output: true
+    final_output_type: tensors
+    backend: {name: external.graph.v1, manifest: bundles/features, route: {name: local-cpu}}
+    resource_budget:
+      capacities: {"machine:ram": 2GiB}
+      demands: {"machine:ram": DEMAND}
+"""
+    local = check_deploy_plan(plan(tmp_path, "pipeline: one_stage\nstages:" + stage.replace("DEMAND", "1.5GiB"),
+                                   "local.yaml"))
+    assert [p.path for p in local.problems] == ["stages[0].resource_budget.demands.machine:ram"]
+    on_ray = "pipeline: one_stage\ndistributed_executor_backend: ray\nstages:" + stage + "    placement: {num_cpus: 1}\n"
+    assert check_deploy_plan(plan(tmp_path, on_ray.replace("DEMAND", "1.5GiB"), "ray.yaml")).ok
+    too_big = check_deploy_plan(plan(tmp_path, on_ray.replace("DEMAND", "3GiB"), "ray-big.yaml"))
+    assert [(p.path, p.message) for p in too_big.problems] == [
+        ("stages[0].resource_budget.demands.machine:ram", "demand 3221225472 (3GiB) is above the capacity "
+                                                          "2147483648 (2GiB)")]
 
 
 def test_readme_deploy_yaml_blocks_pass(tmp_path):
