@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import yaml
@@ -39,6 +40,9 @@ GPU_MEM = 4 * GiB  # node_c advertises this much GPU memory (bytes) as the custo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import two_stage_graph as example  # noqa: E402
+
+from ..plugin.conftest import REFUND_REQUEST, ServerProcess  # noqa: E402
+from ..reliability.plans import demo_plan  # noqa: E402
 
 
 def _start_cluster(*workers: dict) -> Cluster:
@@ -245,6 +249,31 @@ def test_gpu_memory_is_asked_of_ray_where_the_cluster_advertises_it(cluster, loc
         assert _nodes_of(omni)[1] == [node_c]
         assert omni.runtime.ledger.snapshot()["constraints"][f"machine:vram:0@{node_c}"]["held"] == 3 * GiB
         assert ray.available_resources().get("gpu_mem") == GPU_MEM - 3 * GiB  # Ray holds it for the replica too
+
+
+def test_omnigraph_serve_places_its_stage_on_the_cluster_ray_address_names(cluster, tmp_path):
+    """The README's way: `RAY_ADDRESS=... omnigraph serve --deploy-config PLAN` with the demo Laya
+    bundle's replica on node_c answers over HTTP, and leaves no placement group behind."""
+    plan = demo_plan(tmp_path)
+    data = yaml.safe_load(plan.read_text())
+    data["distributed_executor_backend"] = "ray"
+    data["stages"][0]["placement"] = {"num_cpus": 1, "resources": {"node_c": 1}}
+    plan.write_text(yaml.safe_dump(data))
+    server = ServerProcess(["--deploy-config", str(plan)], {"RAY_ADDRESS": cluster.address,
+                                                              "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+                           tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        answer = httpx.post(f"{server.url}/v1/systemone", json=REFUND_REQUEST, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert 0.0 <= answer.json()["answers"]["refund"]["noul"] <= 1.0
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+        assert len(_live_placement_groups()) == 1
+        log = (tmp_path / "server.log").read_text()
+        assert f"node {_node_with('node_c')}" in log  # the placement line names the node
+    finally:
+        server.stop()
+    assert _live_placement_groups() == [] and _all_free()
 
 
 def _all_free(timeout: float = 10.0) -> bool:
