@@ -44,8 +44,8 @@ PHASES = ("wo", "wi_geglu", "wo_mlp", "wqkv")
 WEIGHT_BYTES_PER_LAYER = 2 * sum(n * k for n, k in SHAPES.values())
 DEFAULT_PLANS = ("64,132,64,128/2,1,2,1", "64,164,64,128/2,1,2,1", "64,132,64,132/2,1,2,1")
 # the kernel's TraceMoment, in order (persistent_layer.cu); a trace record is flags, then these
-MOMENTS = ("begin", "dependency", "weights", "gemm", "issued", "ticket", "epilogue", "met", "normalized",
-           "signalled")
+MOMENTS = ("begin", "dependency", "weights", "gemm", "ticket", "epilogue", "met", "normalized", "signalled",
+           "issued")
 TRACE_FIELDS = 1 + len(MOMENTS)
 FIRST_FINISHER_MOMENT = MOMENTS.index("epilogue")  # from here on only the tile's finisher does work
 REL_LIMIT_X1 = {"resid": 1e-3, "qkv": 1e-2}
@@ -112,8 +112,8 @@ def main() -> int:
                         help="tiles per phase / K splits per phase, e.g. 128,164,128,128/1,1,1,1")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--experiments", action="store_true",
-                        help="also time the first plan's 1-launch kernel without A loads / without mma "
-                             "(wrong results; where time goes)")
+                        help="also time the first plan's 1-launch kernel without A loads / without mma, and "
+                             "trace its skeleton (debug 3) per phase (wrong results; where time goes)")
     args = parser.parse_args()
 
     import torch

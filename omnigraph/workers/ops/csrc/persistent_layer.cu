@@ -23,7 +23,8 @@
 //
 // Thread 0 streams each task's weights (n8 groups x K range, pre-packed contiguous) into a byte ring
 // in shared memory with cp.async.bulk completing on mbarriers, as far ahead as the ring holds
-// (weights never depend on activations), topping it up whenever a task's GEMM frees its region. There
+// (weights never depend on activations), topping it up after each task's signal (the task's GEMM
+// freed its region; issuing costs ~1 us, kept off the ticket and signal path). There
 // is no separate producer warp: 9 warps would cap registers at 168 (3 warps on one SM quarter), 8 get
 // 255. The 8 warps compute with mma.sync m16n8k16 (BF16 in, FP32 accumulate), warp = (16-row group,
 // K parity), A fragments loaded straight from L2 as 16-byte loads (a K permutation that the packing
@@ -57,12 +58,12 @@ enum TraceMoment {
   kDependency, // the previous phase is seen complete (after the CTA barrier)
   kWeights,    // the task's weights have landed
   kGemm,       // every 64-row block is multiplied and stored (epilogue or partials)
-  kIssued,     // thread 0 has issued the weight copies that the freed ring region allows
   kTicket,     // split phases: the tile's ticket is taken and every thread knows the finisher
   kEpilogue,   // the finisher has summed the partials and run the epilogue
   kMet,        // LayerNorm phases: every tile of the phase has added its statistics
   kNormalized, // LayerNorm phases: this tile's columns are normalised
   kSignalled,  // the phase counter is incremented
+  kIssued,     // thread 0 has issued the weight copies that the freed ring region allows
   kMoments
 };
 constexpr int kTraceFields = 1 + kMoments;  // flags (1 = recorded, 2 = finisher), then the moments
@@ -598,12 +599,8 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       ConsumerSync();
     }
     mark(kGemm);
-    ++j;  // every warp is past the last ConsumerSync: the task's ring region is free
-    if (threadIdx.x == 0) {
-      tail = head;
-      issue();
-    }
-    mark(kIssued);
+    ++j;  // every warp is past the last ConsumerSync: the task's ring region is free; thread 0 refills
+          // it after the signal, so the copies it issues do not delay the ticket and the signal
 
     bool finisher = true;
     if (pp.splits > 1) {  // the last task of the tile to arrive sums the partials in split order
@@ -672,6 +669,11 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       }
     }
     mark(kSignalled);
+    if (threadIdx.x == 0) {
+      tail = head;
+      issue();
+    }
+    mark(kIssued);
     if (traced) {  // moments a task skips (no ticket, no meeting) take the previous one's time
       uint64_t* rec = p.args.trace + 1 + kPhases * kMaxLayers + (size_t(q) * grid + blockIdx.x) * kTraceFields;
       rec[0] = 1u | (finisher ? 2u : 0u);
