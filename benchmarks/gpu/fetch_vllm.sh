@@ -215,7 +215,9 @@ tree_bytes=$(git ls-files -z --cached --others --exclude-standard | { xargs -0 s
   | awk '{s += $1} END {print s}')
 part_mib=$(( CALL_MIB - MARGIN_MIB - (tree_bytes + 1048575) / 1048576 ))
 (( part_mib > MAX_PART_MIB )) && part_mib=$MAX_PART_MIB
-tar -cf - -C "$OUT/wheels" . | split -b "${part_mib}M" -d -a 3 - "$OUT/piece-"
+# A reproducible stream (names sorted, no times or owners): the same wheel set gives the same parts,
+# so a part of an earlier fetch still joins with the parts of this one.
+tar -cf - --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -C "$OUT/wheels" . | split -b "${part_mib}M" -d -a 3 - "$OUT/piece-"
 pieces=("$OUT"/piece-*)
 total=${#pieces[@]}
 for index in "${!pieces[@]}"; do
@@ -237,5 +239,8 @@ echo "Device calls, back to back on one warm machine (it is given back when idle
 for (( index = 0; index < total; index++ )); do
   echo "  run $((index + 1))  carry [\"$OUT/p$index\", \".gpu/vllm_join.sh\"]  command: bash .gpu/vllm_join.sh $index"
 done
-echo "  run $((total + 1))  carry [\".whl\"]  command: bash benchmarks/gpu/native_run.sh   (timeout_s 600;"
-echo "         .whl from benchmarks/gpu/fetch_wheels.sh; see native_run.sh for its phases)"
+for phase in build cua_s1 open_jev; do
+  index=$((index + 1))
+  echo "  run $index  carry [\".whl\"]  command: PHASE=$phase bash benchmarks/gpu/native_run.sh  timeout_s 600"
+done
+echo "(.whl: bash benchmarks/gpu/fetch_wheels.sh, here, first; native_run.sh's header says what each phase does)"

@@ -49,7 +49,8 @@ LOG=$OUT/native_gpu.log
 JSON=$OUT/native_gpu.json
 MODELS=(cua_s1 open_jev)
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
-export PYTHONPATH=$HOME/.vllmgpu/site:$PYTHONPATH
+# vLLM's site and the CuTe DSL's folder in it, as benchmarks/gpu/vllm_join.sh wrote them (none on a CPU machine)
+[[ -f $HOME/.vllmgpu/pythonpath ]] && export PYTHONPATH=$(cat "$HOME/.vllmgpu/pythonpath"):$PYTHONPATH
 
 phase_build() {
   if compgen -G "$REPO/.whl/*.whl" > /dev/null; then
@@ -82,6 +83,7 @@ EOF
   done
   wait "${pids[@]}"
   du -sh "$WORK"/cache/* >> "$LOG" 2>&1
+  df -h "$WORK" "$HOME" >> "$LOG" 2>&1  # the machine has 64 GiB of disk; the real sizes take about 41 GB
 }
 
 phase_model() {

@@ -7,10 +7,11 @@
 # call checks part K's piece against its sha256 and keeps it under $HOME/.vllmgpu/parts. The call of
 # the last part joins the pieces, checks every wheel's sha256 against the manifest, installs them
 # all with `pip install --no-index --no-deps --target $HOME/.vllmgpu/site`, imports vllm and
-# flashinfer from there, and checks each image package the wheels rely on (image.tsv). Afterwards,
-# in every command that uses vLLM:
+# flashinfer from there, and checks each image package the wheels rely on (image.tsv). It writes
+# the folders to put on PYTHONPATH into $HOME/.vllmgpu/pythonpath; afterwards, in every command that
+# uses vLLM:
 #
-#   export PYTHONPATH=$HOME/.vllmgpu/site${PYTHONPATH:+:$PYTHONPATH}
+#   export PYTHONPATH=$(cat $HOME/.vllmgpu/pythonpath)${PYTHONPATH:+:$PYTHONPATH}
 #
 # Running a part again is harmless; so is running the last one again (it joins and installs again).
 # A missing, corrupt or foreign part ends the call with a non-zero status and one line saying which.
@@ -59,9 +60,14 @@ echo "$(wc -l < "$STATE/manifest.tsv") wheels joined and checked; installing int
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$STATE/site" \
   "$STATE"/wheels/*.whl || fail "pip install --target $STATE/site failed (its output is above)"
 
+# `pip install --target` leaves the wheels' .pth files unread: nvidia_cutlass_dsl_packages.pth would put
+# nvidia_cutlass_dsl/dsl_packages (the `cutlass` package of the CuTe DSL) on sys.path, so it is named here.
+site_path=$STATE/site:$STATE/site/nvidia_cutlass_dsl/dsl_packages
+echo "$site_path" > "$STATE/pythonpath"
+
 # What the wheels rely on from the image: importlib.metadata reads what `pip show` reads, for all
 # of them in one process.
-PYTHONPATH=$STATE/site python3 - "$STATE/image.tsv" <<'EOF'
+PYTHONPATH=$site_path python3 - "$STATE/image.tsv" <<'EOF'
 import importlib.metadata as metadata
 import sys
 
@@ -82,9 +88,12 @@ print(f"image packages: {len(differing)} outside the closure's requirement (used
 for entry in differing:
     print(f"  {entry}")
 EOF
-PYTHONPATH=$STATE/site python3 -c '
+PYTHONPATH=$site_path python3 -c '
 import torch, vllm, flashinfer
 print("vllm", vllm.__version__, vllm.__file__)
 print("flashinfer", flashinfer.__version__, "torch", torch.__version__, torch.cuda.get_device_name(0))
-' || fail "vllm or flashinfer does not import from $STATE/site (the traceback above names what is missing)"
-echo "vLLM installed: export PYTHONPATH=$STATE/site\${PYTHONPATH:+:\$PYTHONPATH}"
+' || fail "vllm or flashinfer does not import from $site_path (the traceback above names what is missing)"
+# Optional: vLLM and flashinfer import it behind ImportError guards and run without their CuTe-DSL kernels.
+PYTHONPATH=$site_path python3 -c 'import cutlass; print("cutlass (CuTe DSL)", cutlass.__file__)' \
+  || echo "cutlass (CuTe DSL) does not import (above): vLLM and flashinfer run without their CuTe-DSL kernels"
+echo "vLLM installed: export PYTHONPATH=\$(cat $STATE/pythonpath)\${PYTHONPATH:+:\$PYTHONPATH}"
