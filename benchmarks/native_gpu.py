@@ -57,9 +57,10 @@ QUESTIONS = (1, 8)
 CONCURRENCY = (1, 8, 32)
 TARGET_OVER_TRANSFORMERS = 3.0  # the issue: omnigraph's end-to-end p50 at least 3x faster
 DTYPES = {"cuda": "bfloat16", "cpu": "float32"}
-# A pooling stage holds only the prompts being prefilled: a fixed KV cache starts faster than
-# vLLM's profiling and leaves the GPU to the transformers reference (which runs first).
-GPU_KV_CACHE_BYTES = 4 * 1024**3
+# A pooling request holds KV cache only while it is prefilled, so the scheduler's tokens per step
+# bound what the stage needs, not the load. A fixed size skips vLLM's sizing by profiling; 16 GiB is
+# ~116k tokens at Qwen3-4B's 144 KiB per token (a Cua-S1 prompt is ~470), and leaves most of the GPU.
+GPU_KV_CACHE_BYTES = 16 * 1024**3
 
 # `--size real`: the issue's dimensions, registered beside each synthesizer's own sizes under these
 # names. Cua-S1: a Qwen3-4B-class backbone (its Qwen3.5-4B is a Gated DeltaNet hybrid no Qwen3
