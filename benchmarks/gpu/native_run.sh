@@ -96,6 +96,8 @@ phase_model() {
     --requests "$REQUESTS" --seconds "$SECONDS_PER_POINT" --time-budget "$left" \
     --json "$WORK/native_gpu-$model.json" >> "$LOG" 2>&1
   log "== native_gpu.py --models $model: exit $?"
+  # A vLLM engine process left behind (a run stopped at HARD_LIMIT_S) would hold GPU memory from the next phase.
+  [[ $DEVICE == cuda ]] && nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv >> "$LOG" 2>&1
 }
 
 case $PHASE in
