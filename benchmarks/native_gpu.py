@@ -62,16 +62,8 @@ DTYPES = {"cuda": "bfloat16", "cpu": "float32"}
 # ~116k tokens at Qwen3-4B's 144 KiB per token (a Cua-S1 prompt is ~470), and leaves most of the GPU.
 GPU_KV_CACHE_BYTES = 16 * 1024**3
 
-# `--size real`: the issue's dimensions, registered beside each synthesizer's own sizes under these
-# names. Cua-S1: a Qwen3-4B-class backbone (its Qwen3.5-4B is a Gated DeltaNet hybrid no Qwen3
-# stands in for); Open-Jev: a Qwen3-1.7B-class backbone for its 2B release (temperature near the
-# 2B's 1.52), the largest whose float32 checkpoint and bundle build within one device call.
-REAL_SIZES = {
-    "cua_s1": {"name": "qwen3-4b", "hidden_size": 2560, "num_layers": 36, "num_attention_heads": 32,
-               "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728},
-    "open_jev": {"name": "qwen3-1.7b", "hidden_size": 2048, "num_layers": 28, "num_attention_heads": 16,
-                 "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 6144, "temperature": 1.52},
-}
+# `--size real`: each synthesizer's size of the issue's dimensions (declared in its synth.py).
+REAL_SIZES = {"cua_s1": "qwen3-4b", "open_jev": "qwen3-1.7b"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,13 +85,8 @@ class Model:
 
 
 def size_name(model: str, size: str) -> str:
-    """The synthesizer's size for `--size`; `real` registers REAL_SIZES[model] with it first."""
-    if size != "real":
-        return size
-    synth = _module(model, "synth")
-    fields = REAL_SIZES[model]
-    synth.SIZES.setdefault(fields["name"], synth.SynthSize(**fields))
-    return fields["name"]
+    """The synthesizer's size for `--size` (`real`: REAL_SIZES[model])."""
+    return REAL_SIZES[model] if size == "real" else size
 
 
 def _module(model: str, name: str) -> Any:

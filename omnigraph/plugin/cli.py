@@ -178,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                      _bundle_synth)
     synth.add_argument("model", help="pipeline name, e.g. laya")
     synth.add_argument("--size", default="tiny",
-                       help="a size the model's synthesiser has (laya: tiny, small, full; cua_s1: tiny, small; "
-                            "open_jev: tiny); another is refused with the model's list")
+                       help="a size the model's synthesiser has (laya: tiny, small, full; cua_s1: tiny, small, "
+                            "qwen3-4b; open_jev: tiny, qwen3-1.7b); another is refused with the model's list")
     synth.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     synth.add_argument("--out", required=True, help="the checkpoint folder to write")
 

@@ -125,6 +125,9 @@ SIZES: dict[str, SynthSize] = {
     "tiny": SynthSize("tiny", 128, 2, 2, 1, 64, 256),
     # A CPU benchmark size.
     "small": SynthSize("small", 512, 8, 8, 2, 64, 1536),
+    # The GPU benchmark's (issue 23): a dense Qwen3-4B's dimensions, 3.6B parameters. Not the
+    # release's backbone (a Gated DeltaNet hybrid), but the same width, depth and weight stream.
+    "qwen3-4b": SynthSize("qwen3-4b", 2560, 36, 32, 8, 128, 9728),
 }
 
 

@@ -80,6 +80,10 @@ class SynthSize:
 SIZES: dict[str, SynthSize] = {
     "tiny": SynthSize("tiny", hidden_size=128, num_layers=2, num_attention_heads=2, num_key_value_heads=1,
                       head_dim=64, intermediate_size=256, temperature=1.5),
+    # The GPU benchmark's (issue 23): a Qwen3-1.7B's dimensions for the 2B release (temperature near
+    # its 1.52), the largest whose float32 checkpoint and bundle build within one device call.
+    "qwen3-1.7b": SynthSize("qwen3-1.7b", hidden_size=2048, num_layers=28, num_attention_heads=16,
+                            num_key_value_heads=8, head_dim=128, intermediate_size=6144, temperature=1.52),
 }
 
 #: Phrases of every prompt, trained into the tokenizer so prompts stay short.
