@@ -38,8 +38,8 @@ import numpy as np
 import onnx
 import onnx.helper as oh
 import ray
+import yaml
 from onnx import numpy_helper
-from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 try:
@@ -50,6 +50,10 @@ except ImportError:  # run as a script: this folder is sys.path[0]
     import laya_gpu as harness
     from throughput import closed_loop
     from wire import identity_bundle, interleaved_timings_us
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+import two_stage_graph
+from ray_cluster import start_local_cluster
 
 from omnigraph import AsyncOmni, Omni
 from omnigraph.bundles import pack_bundle
@@ -103,18 +107,6 @@ def one_stage_plan(bundle: Path, replicas: int, backend: str) -> dict[str, Any]:
         plan["distributed_executor_backend"] = "ray"
         stage["placement"] = {"strategy": "STRICT_SPREAD", "num_cpus": 1, "resources": {"sim_node": 1}}
     return plan
-
-
-def start_cluster() -> Cluster:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head_node": 1}})
-    for index in range(1, SIM_NODES + 1):
-        cluster.add_node(num_cpus=2, resources={"sim_node": 1, f"sim_node_{index}": 1})
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    addresses = {node["NodeManagerAddress"] for node in ray.nodes()}
-    if addresses != {"127.0.0.1"}:
-        raise SystemExit(f"a node is not on the loopback address: {sorted(addresses)}")
-    return cluster
 
 
 class Rows:
@@ -236,11 +228,6 @@ def case_transport(rows: Rows, scratch: Path, iterations: int) -> None:
 def two_stage_plans(scratch: Path) -> dict[str, Path]:
     """The two-stage example on the local backend and on Ray (stage 0 on sim node 1, stage 1 on
     sim node 2)."""
-    import yaml
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    import two_stage_graph
-
     local = two_stage_graph.prepare(scratch / "two-stage")
     data = yaml.safe_load(local.read_text())
     data["distributed_executor_backend"] = "ray"
@@ -260,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a tenth of the samples (a smoke run)")
     args = parser.parse_args(argv)
     divisor = QUICK_DIVISOR if args.quick else 1
-    cluster = start_cluster()
+    cluster = start_local_cluster({"head_node": 1}, [{"sim_node": 1, f"sim_node_{index}": 1}
+                                                     for index in range(1, SIM_NODES + 1)])
     rows = Rows(args.json, argv)
     try:
         with tempfile.TemporaryDirectory(prefix="ray-scaling-") as folder:

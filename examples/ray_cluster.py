@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # every node on 127.0.0.1, never another address
@@ -37,16 +38,18 @@ HERE = Path(__file__).resolve().parent
 CLIENTS = 16  # concurrent clients, each sending its requests one after another (within the plans' queue bound)
 
 
-def start_cluster() -> Cluster:
-    """The head (1 CPU, `head_node`) and two feature nodes (2 CPUs each), joined by this driver."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"head_node": 1}})
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, resources={"feature_node": 1})
+def start_local_cluster(head: dict[str, float], nodes: Sequence[dict[str, float]]) -> Cluster:
+    """Ray's test cluster on 127.0.0.1, joined by this driver: a head of 1 CPU with the custom
+    resources `head`, and a node of 2 CPUs per entry of `nodes` (its custom resources). Also used by
+    tests/stages/test_ray_cluster.py and benchmarks/ray_scaling.py."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": head})
+    for resources in nodes:
+        cluster.add_node(num_cpus=2, resources=resources)
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     addresses = {node["NodeManagerAddress"] for node in ray.nodes()}
     if addresses != {"127.0.0.1"}:
-        raise SystemExit(f"a node is not on the loopback address: {sorted(addresses)}")
+        raise RuntimeError(f"a node is not on the loopback address: {sorted(addresses)}")
     return cluster
 
 
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=200)
     args = parser.parse_args(argv)
     inputs = make_inputs(args.requests)
-    cluster = start_cluster()
+    cluster = start_local_cluster({"head_node": 1}, [{"feature_node": 1}] * 2)
     try:
         with tempfile.TemporaryDirectory(prefix="ray-cluster-") as scratch:
             out = args.out or Path(scratch)

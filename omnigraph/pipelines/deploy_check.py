@@ -493,7 +493,8 @@ def _check_budget(report: CheckReport, stages: list[tuple[int, dict[str, Any]]],
             continue  # validation says so
         limit = capacity[name][0]
         over = False
-        if per_node and name.startswith(MACHINE_PREFIX):
+        each_node = per_node and name.startswith(MACHINE_PREFIX)  # held to one replica's demand alone
+        if each_node:
             charged = [(index, amount, 1) for index, amount, _ in charged]
         for index, amount, replicas in charged:
             if amount * replicas > limit:
@@ -504,7 +505,7 @@ def _check_budget(report: CheckReport, stages: list[tuple[int, dict[str, Any]]],
                            "lower the demand" + (" or num_replicas" if replicas > 1 else "") +
                            ", or raise the capacity if the machine has it")
         total = sum(amount * replicas for _, amount, replicas in charged)
-        if not over and total > limit and not (per_node and name.startswith(MACHINE_PREFIX)):
+        if not over and total > limit and not each_node:
             parts = " + ".join(f"stages[{i}] {_amount(a)}" + (f" x {r}" if r > 1 else "") for i, a, r in charged)
             report.add(f"stages[{charged[-1][0]}].resource_budget.demands.{name}",
                        f"the plan's stages together demand {_amount(total)} ({parts}), above the capacity "

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import omnigraph
-from omnigraph.pipelines.deploy import DeployConfig, PlacementConfig
+from omnigraph.pipelines.deploy import MACHINE_PREFIX, DeployConfig, PlacementConfig
 from omnigraph.stages.errors import StageError
 from omnigraph.workers import procfs
 from omnigraph.workers.client import (
@@ -60,9 +60,9 @@ ACTOR_CALL_TIMEOUT_S = 30.0
 # resources here would let Ray run other work where the plan counted on room.
 DEFAULT_PLACEMENT = PlacementConfig()
 #: The ledger demand that becomes the bundle's Ray `memory` (bytes): the one a node advertises.
-RAM_DEMAND = "machine:ram"
+RAM_DEMAND = f"{MACHINE_PREFIX}ram"
 #: The ledger demands on a GPU's memory: a placement's `gpu_memory_resource` asks for their sum.
-VRAM_DEMAND_PREFIX = "machine:vram:"
+VRAM_DEMAND_PREFIX = f"{MACHINE_PREFIX}vram:"
 # Why: a bundle whose node was lost is placed again by Ray within seconds when a survivor has room;
 # a replacement polls for it this often until its startup timeout.
 BUNDLE_POLL_S = 0.1
@@ -276,9 +276,9 @@ class RayCluster:
             _check_fits(stage, self._ray.nodes())
         try:
             for stage in stages:
-                self._bundles[stage.stage_id] = stage.bundle()
+                bundle = self._bundles[stage.stage_id] = stage.bundle()
                 self._groups[stage.stage_id] = placement_group(
-                    [stage.bundle()] * stage.replicas, strategy=stage.placement.strategy,
+                    [bundle] * stage.replicas, strategy=stage.placement.strategy,
                     name=f"omnigraph-stage{stage.stage_id}-{os.getpid()}")
             deadline = time.monotonic() + timeout
             for stage_id, group in self._groups.items():

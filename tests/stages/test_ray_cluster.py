@@ -40,18 +40,10 @@ GPU_MEM = 4 * GiB  # node_c advertises this much GPU memory (bytes) as the custo
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import two_stage_graph as example  # noqa: E402
+from ray_cluster import start_local_cluster  # noqa: E402
 
 from ..plugin.conftest import REFUND_REQUEST, ServerProcess  # noqa: E402
 from ..reliability.plans import demo_plan  # noqa: E402
-
-
-def _start_cluster(*workers: dict) -> Cluster:
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1}})
-    for resources in workers:
-        cluster.add_node(num_cpus=2, resources=resources)
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
-    return cluster
 
 
 def _stop_cluster(cluster: Cluster) -> None:
@@ -61,7 +53,7 @@ def _stop_cluster(cluster: Cluster) -> None:
 
 @pytest.fixture(scope="module")
 def cluster():
-    cluster = _start_cluster({"node_b": 1}, {"node_c": 1, "gpu_mem": GPU_MEM})
+    cluster = start_local_cluster({"node_a": 1}, [{"node_b": 1}, {"node_c": 1, "gpu_mem": GPU_MEM}])
     yield cluster
     _stop_cluster(cluster)
 
