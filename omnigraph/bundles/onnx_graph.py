@@ -14,6 +14,12 @@ import onnx
 
 from omnigraph.bundles.errors import MemberInvalid
 
+# The IR version every graph omnigraph writes declares. The onnx package stamps its own newest one
+# (IR 14 in onnx 1.23), which an older ONNX Runtime refuses to load ("max supported IR version: 13"
+# on the GPU image's 1.2x); IR 10 is read by ONNX Runtime 1.16 and later and carries every feature
+# our graphs use.
+IR_VERSION = 10
+
 
 def load_graph_structure(path: Path) -> onnx.ModelProto:
     """The ONNX model at `path` without its external weights (they are never read here)."""

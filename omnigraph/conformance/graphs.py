@@ -17,11 +17,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from omnigraph.bundles.onnx_graph import IR_VERSION
 from omnigraph.conformance.suite import FixtureInvalid
 from omnigraph.conformance.tensors import tensor_from_spec
-
-# ONNX Runtime 1.2x reads IR 10 at most; pin it so a newer onnx package does not outrun the runtime.
-IR_VERSION = 10
 
 
 def build_model(spec: Mapping[str, Any], *, where: str) -> tuple[onnx.ModelProto, dict[str, bytes]]:

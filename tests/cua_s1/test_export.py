@@ -7,11 +7,13 @@ import json
 import shutil
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 import pytest
 from safetensors.numpy import load_file, save_file
 
 from omnigraph.bundles import sha256_file
+from omnigraph.bundles.onnx_graph import IR_VERSION
 from omnigraph.pipelines.cua_s1.export import CheckpointInvalid, build_bundle
 from omnigraph.pipelines.cua_s1.processor import CuaS1Processor
 
@@ -73,6 +75,7 @@ def test_head_graph_equals_numpy_on_the_letter_rows(cua_bundle):
     (shape,) = [i.shape for i in session.get_inputs()]
     assert shape == ["P", layout["hidden_size"]]
     assert session.get_outputs()[0].shape == ["P", 26]
+    assert onnx.load(str(cua_bundle.graph_path), load_external_data=False).ir_version == IR_VERSION
 
 
 def test_bundle_lists_the_backbone_and_the_contract_layout(cua_bundle):

@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 from tokenizers import Tokenizer
 
 from omnigraph.bundles import BundleHashMismatch, verify_bundle
+from omnigraph.bundles.onnx_graph import IR_VERSION
 from omnigraph.pipelines.open_jev.export import CheckpointInvalid, build_bundle, default_bundle, reference_scores
 from omnigraph.pipelines.open_jev.processor import OpenJevProcessor
 from omnigraph.pipelines.processor import RequestTooLarge
@@ -40,6 +41,7 @@ def test_the_bundle_carries_backbone_head_template_and_calibration(jev_bundle, j
 def test_the_head_graph_equals_numpy_float64(jev_bundle, jev_checkpoint):
     head = load_file(str(jev_checkpoint / "head.safetensors"))
     graph = onnx.load(str(jev_bundle.graph_path))
+    assert graph.ir_version == IR_VERSION  # what an older ONNX Runtime still loads
     assert [d.dim_param for d in graph.graph.input[0].type.tensor_type.shape.dim] == ["P", ""]
     assert graph.graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.DOUBLE
     session = ort.InferenceSession(str(jev_bundle.graph_path), providers=["CPUExecutionProvider"])

@@ -43,6 +43,7 @@ from tokenizers import Tokenizer
 from omnigraph import __version__ as omnigraph_version
 from omnigraph.bundles import VerifiedBundle, pack_bundle, sha256_file, staged_bundle_dir, verify_bundle
 from omnigraph.bundles.cache import cached_folder
+from omnigraph.bundles.onnx_graph import IR_VERSION
 from omnigraph.pipelines.cua_s1.processor import COMPONENT, INPUT_NAME, OUTPUT_NAME
 from omnigraph.pipelines.cua_s1.prompt import (
     DEFAULT_OPTION_LINE,
@@ -72,7 +73,7 @@ __all__ = [
 ]
 
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
-EXPORTER_VERSION = 1
+EXPORTER_VERSION = 2  # 2: graphs declare IR_VERSION
 OPSET = 17
 PRECISIONS = ("fp32",)
 GRAPH_FILE = "graph.onnx"
@@ -334,7 +335,8 @@ def head_graph(rows: np.ndarray) -> onnx.ModelProto:
         initializer=[numpy_helper.from_array(np.ascontiguousarray(rows.T), "letter_rows_t")],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                              producer_name="omnigraph.pipelines.cua_s1.export", producer_version=omnigraph_version)
+                              producer_name="omnigraph.pipelines.cua_s1.export", producer_version=omnigraph_version,
+                              ir_version=IR_VERSION)
     onnx.checker.check_model(model, full_check=True)
     return model
 

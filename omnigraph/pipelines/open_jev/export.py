@@ -40,6 +40,7 @@ from safetensors.numpy import load_file
 from omnigraph import __version__ as omnigraph_version
 from omnigraph.bundles import VerifiedBundle, pack_bundle, sha256_file, staged_bundle_dir, verify_bundle
 from omnigraph.bundles.cache import cached_folder
+from omnigraph.bundles.onnx_graph import IR_VERSION
 from omnigraph.pipelines.export import (
     BundleValidationFailed,
     exporter_info,
@@ -53,7 +54,7 @@ from omnigraph.pipelines.open_jev.synth import BACKBONE_DIR, HEAD_FILE, TEMPERAT
 __all__ = ["BundleValidationFailed", "CheckpointInvalid", "build_bundle", "cached_bundle", "default_bundle"]
 
 # Bump when the exported bytes change for the same checkpoint, so cached bundles are rebuilt.
-EXPORTER_VERSION = 2
+EXPORTER_VERSION = 3  # 3: graphs declare IR_VERSION
 OPSET = 17
 PRECISIONS = ("fp32",)
 GRAPH_FILE = "graph.onnx"
@@ -212,7 +213,7 @@ def head_graph(head_w: np.ndarray, b: np.ndarray) -> onnx.ModelProto:
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
                               producer_name="omnigraph.pipelines.open_jev.export",
-                              producer_version=omnigraph_version)
+                              producer_version=omnigraph_version, ir_version=IR_VERSION)
     onnx.checker.check_model(model, full_check=True)
     return model
 
