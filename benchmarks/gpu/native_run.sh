@@ -25,7 +25,7 @@
 # HARD_LIMIT_S (570 s), so that the report still prints inside the 600 s a call may run; a case cut
 # off keeps the rows it wrote (omnigraph's after every concurrency point).
 #
-# Knobs (environment): PHASE (all), OUT (/tmp/native-gpu-out; the device call's own $OUT), WORK
+# Knobs (environment): PHASE (all), MODELS ("cua_s1 open_jev"), OUT (/tmp/native-gpu-out; the device call's own $OUT), WORK
 # (/tmp/native-gpu: checkpoints, bundles, per-model JSON), SITE (/tmp/site), PYTHON (python3),
 # REQUESTS (100 timed batch-1 requests per case and question count), SECONDS_PER_POINT (5),
 # BUDGET_S, HARD_LIMIT_S, and for a dry run on a CPU machine SIZE (real) and DEVICE (cuda):
@@ -47,7 +47,7 @@ OUT=${OUT:-/tmp/native-gpu-out}
 WORK=${WORK:-/tmp/native-gpu}
 LOG=$OUT/native_gpu.log
 JSON=$OUT/native_gpu.json
-MODELS=(cua_s1 open_jev)
+read -r -a MODELS <<< "${MODELS:-cua_s1 open_jev}"  # the models `build` and `all` take
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 # vLLM's site and the CuTe DSL's folder in it, as benchmarks/gpu/vllm_join.sh wrote them (none on a CPU machine)
 [[ -f $HOME/.vllmgpu/pythonpath ]] && export PYTHONPATH=$(cat "$HOME/.vllmgpu/pythonpath"):$PYTHONPATH

@@ -251,6 +251,20 @@ def split_prompts(tensors: Mapping[str, np.ndarray], max_model_len: int) -> list
     return [chunk.tolist() for chunk in np.split(ids, bounds[:-1])]
 
 
+async def pool_last_hidden_state(client: Any, request_id: str, token_ids: list[int]) -> np.ndarray:
+    """One prompt's last hidden state, float32 [H], from a pooling engine's `encode` (what the
+    stage asks vLLM for each prompt; the native-stage benchmark times it alone)."""
+    from vllm import PoolingParams
+
+    params = PoolingParams(task=POOLING_TASK, use_activation=False)
+    final = None
+    async for output in client.encode({"prompt_token_ids": token_ids}, params, request_id):
+        final = output
+    if final is None:
+        raise RuntimeError(f"vLLM returned no output for {request_id}")
+    return final.outputs.data.cpu().numpy().astype(np.float32, copy=False)
+
+
 class NativeReplica:
     """The native stage's one replica: submits work items to the engine, tracks them for abort."""
 
@@ -309,7 +323,8 @@ class NativeReplica:
         started = time.perf_counter()
         finished = False
         try:
-            states = await asyncio.gather(*(self._pool(rid, ids) for rid, ids in zip(request_ids, prompts)))
+            states = await asyncio.gather(*(pool_last_hidden_state(self.engine.client, rid, ids)
+                                            for rid, ids in zip(request_ids, prompts)))
             finished = True
         except Exception as exc:  # the engine refused or failed the requests
             if self.engine.dead:
@@ -327,17 +342,6 @@ class NativeReplica:
         self.prompts += len(prompts)
         if item.is_live():
             item.complete({HIDDEN_STATES: np.stack(states)}, seconds)
-
-    async def _pool(self, request_id: str, token_ids: list[int]) -> np.ndarray:
-        from vllm import PoolingParams
-
-        params = PoolingParams(task=POOLING_TASK, use_activation=False)
-        final = None
-        async for output in self.engine.client.encode({"prompt_token_ids": token_ids}, params, request_id):
-            final = output
-        if final is None:
-            raise RuntimeError(f"vLLM returned no output for {request_id}")
-        return final.outputs.data.cpu().numpy().astype(np.float32, copy=False)
 
     def close(self, timeout: float) -> None:
         """Cancel what is in flight, stop an owned engine, release the reservation."""
