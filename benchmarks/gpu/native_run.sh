@@ -28,6 +28,8 @@
 # Knobs (environment): PHASE (all), MODELS ("cua_s1 open_jev"), OUT (/tmp/native-gpu-out; the device call's own $OUT), WORK
 # (/tmp/native-gpu: checkpoints, bundles, per-model JSON), SITE (/tmp/site), PYTHON (python3),
 # REQUESTS (100 timed batch-1 requests per case and question count), SECONDS_PER_POINT (5),
+# CASES (transformers omnigraph vllm: vllm is the stage's engine alone, what the pipeline adds is the difference),
+# CONCURRENCY (1 8 32),
 # BUDGET_S, HARD_LIMIT_S, and for a dry run on a CPU machine SIZE (real) and DEVICE (cuda):
 #   SIZE=tiny DEVICE=cpu PYTHON=.venv/bin/python REQUESTS=3 SECONDS_PER_POINT=1 bash benchmarks/gpu/native_run.sh
 set -u
@@ -48,6 +50,8 @@ WORK=${WORK:-/tmp/native-gpu}
 LOG=$OUT/native_gpu.log
 JSON=$OUT/native_gpu.json
 read -r -a MODELS <<< "${MODELS:-cua_s1 open_jev}"  # the models `build` and `all` take
+read -r -a CASES <<< "${CASES:-transformers omnigraph vllm}"
+read -r -a CONCURRENCY <<< "${CONCURRENCY:-1 8 32}"
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 # vLLM's site and the CuTe DSL's folder in it, as benchmarks/gpu/vllm_join.sh wrote them (none on a CPU machine)
 [[ -f $HOME/.vllmgpu/pythonpath ]] && export PYTHONPATH=$(cat "$HOME/.vllmgpu/pythonpath"):$PYTHONPATH
@@ -93,7 +97,7 @@ phase_model() {
   (( stop < 1 )) && stop=1  # `timeout 0` would mean no limit
   log "== native_gpu.py --models $model with --time-budget $left, stopped after $stop s"
   timeout -k 5 "$stop" "$PYTHON" benchmarks/native_gpu.py --device "$DEVICE" --size "$SIZE" --models "$model" \
-    --requests "$REQUESTS" --seconds "$SECONDS_PER_POINT" --time-budget "$left" \
+    --cases "${CASES[@]}" --concurrency "${CONCURRENCY[@]}" --requests "$REQUESTS" --seconds "$SECONDS_PER_POINT" --time-budget "$left" \
     --json "$WORK/native_gpu-$model.json" >> "$LOG" 2>&1
   log "== native_gpu.py --models $model: exit $?"
   # A vLLM engine process left behind (a run stopped at HARD_LIMIT_S) would hold GPU memory from the next phase.
