@@ -272,7 +272,7 @@ def omnigraph_plan(model: Model, args: argparse.Namespace) -> Any:
         backend = stage["backend"]
         if backend["name"] == NATIVE_BACKEND:
             backend.update(dtype=DTYPES[args.device], startup_timeout_s=args.startup_timeout,
-                           engine_args={**engine_args, "enable_prefix_caching": False})
+                           engine_args={**engine_args, "enable_prefix_caching": False, **args.engine_args})
     return validate_deploy_config(fields)
 
 
@@ -406,6 +406,17 @@ def report_lines(rows: list[dict]) -> list[str]:
 # ----------------------------------------------------------------------------------------------
 
 
+def _json_object(text: str) -> dict:
+    """`--engine-args`: a JSON object, or argparse's usage error naming what is wrong."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, not {type(value).__name__}")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -424,6 +435,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         help="seconds for the vLLM engine to start (load, compile, capture CUDA graphs)")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which no further case starts (it is recorded as skipped)")
+    parser.add_argument("--engine-args", type=_json_object, default={}, metavar="JSON",
+                        help="more vLLM engine arguments for the stage (a JSON object), e.g. "
+                             "'{\"compilation_config\": {\"max_cudagraph_capture_size\": 512}}'")
     parser.add_argument("--build-only", action="store_true", help="build the checkpoints and bundles, then exit")
     parser.add_argument("--json", type=Path, default=None, help="write the rows and targets here")
     parser.add_argument("--report", type=Path, default=None, metavar="JSON", help="only print an earlier run's report")

@@ -19,7 +19,7 @@
 #             then omnigraph (vLLM start with torch.compile and CUDA graphs, batch-1 latency and
 #             closed loops at c = 1, 8, 32, for 1 and 8 questions)                 est. 5-8 min
 #   open_jev  the same for Open-Jev                                                 est. 4-6 min
-# Each benchmark phase writes $WORK/native_gpu-MODEL.json (kept on the warm machine) and, at its end,
+# Each benchmark phase writes $WORK/results/native_gpu-MODEL.json (kept on the warm machine) and, at its end,
 # every model's rows so far to $OUT/native_gpu.json; the log of the call is $OUT/native_gpu.log.
 # No case starts after BUDGET_S (480 s) from the call's start, and the benchmark is stopped at
 # HARD_LIMIT_S (570 s), so that the report still prints inside the 600 s a call may run; a case cut
@@ -29,7 +29,9 @@
 # (/tmp/native-gpu: checkpoints, bundles, per-model JSON), SITE (/tmp/site), PYTHON (python3),
 # REQUESTS (100 timed batch-1 requests per case and question count), SECONDS_PER_POINT (5),
 # CASES (transformers omnigraph vllm: vllm is the stage's engine alone, what the pipeline adds is the difference),
-# CONCURRENCY (1 8 32),
+# CONCURRENCY (1 8 32), ENGINE_ARGS (a JSON object of more vLLM engine arguments, native_gpu.py's
+# --engine-args) with LABEL naming that variant: its rows go to $WORK/results-LABEL and
+# $OUT/native_gpu-LABEL.json, apart from the default's,
 # BUDGET_S, HARD_LIMIT_S, and for a dry run on a CPU machine SIZE (real) and DEVICE (cuda):
 #   SIZE=tiny DEVICE=cpu PYTHON=.venv/bin/python REQUESTS=3 SECONDS_PER_POINT=1 bash benchmarks/gpu/native_run.sh
 set -u
@@ -47,8 +49,11 @@ SITE=${SITE:-/tmp/site}
 REPO=$PWD
 OUT=${OUT:-/tmp/native-gpu-out}
 WORK=${WORK:-/tmp/native-gpu}
-LOG=$OUT/native_gpu.log
-JSON=$OUT/native_gpu.json
+ENGINE_ARGS=${ENGINE_ARGS:-"{}"}
+LABEL=${LABEL:+-$LABEL}
+LOG=$OUT/native_gpu$LABEL.log
+JSON=$OUT/native_gpu$LABEL.json
+RESULTS=$WORK/results$LABEL  # this variant's per-model JSON
 read -r -a MODELS <<< "${MODELS:-cua_s1 open_jev}"  # the models `build` and `all` take
 read -r -a CASES <<< "${CASES:-transformers omnigraph vllm}"
 read -r -a CONCURRENCY <<< "${CONCURRENCY:-1 8 32}"
@@ -92,13 +97,14 @@ EOF
 
 phase_model() {
   local model=$1
+  mkdir -p "$RESULTS"
   local left=$(( BUDGET_S - $(elapsed) ))
   local stop=$(( HARD_LIMIT_S - $(elapsed) ))
   (( stop < 1 )) && stop=1  # `timeout 0` would mean no limit
   log "== native_gpu.py --models $model with --time-budget $left, stopped after $stop s"
   timeout -k 5 "$stop" "$PYTHON" benchmarks/native_gpu.py --device "$DEVICE" --size "$SIZE" --models "$model" \
     --cases "${CASES[@]}" --concurrency "${CONCURRENCY[@]}" --requests "$REQUESTS" --seconds "$SECONDS_PER_POINT" --time-budget "$left" \
-    --json "$WORK/native_gpu-$model.json" >> "$LOG" 2>&1
+    --engine-args "$ENGINE_ARGS" --json "$RESULTS/native_gpu-$model.json" >> "$LOG" 2>&1
   log "== native_gpu.py --models $model: exit $?"
   # A vLLM engine process left behind (a run stopped at HARD_LIMIT_S) would hold GPU memory from the next phase.
   [[ $DEVICE == cuda ]] && nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv >> "$LOG" 2>&1
@@ -112,10 +118,10 @@ case $PHASE in
 esac
 
 echo
-if compgen -G "$WORK/native_gpu-*.json" > /dev/null; then
+if compgen -G "$RESULTS/native_gpu-*.json" > /dev/null; then
   "$PYTHON" -c 'import json, sys
 rows = [row for path in sys.argv[2:] for row in json.load(open(path))]
-json.dump(rows, open(sys.argv[1], "w"), indent=2)' "$JSON" "$WORK"/native_gpu-*.json
+json.dump(rows, open(sys.argv[1], "w"), indent=2)' "$JSON" "$RESULTS"/native_gpu-*.json
   "$PYTHON" benchmarks/native_gpu.py --report "$JSON"
 else
   echo "no benchmark JSON in $WORK yet: the last 40 lines of the log"

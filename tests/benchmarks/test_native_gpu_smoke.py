@@ -36,6 +36,16 @@ def test_targets_compare_omnigraph_with_transformers_of_the_same_run() -> None:
     assert [target["status"] for target in harness.targets(rows[1:2])] == ["not measured", "not measured"]
 
 
+def test_engine_args_take_a_json_object_and_name_what_is_wrong(capsys: pytest.CaptureFixture[str]) -> None:
+    extra = '{"compilation_config": {"max_cudagraph_capture_size": 512}}'
+    assert harness.parse_args(["--engine-args", extra]).engine_args == json.loads(extra)
+    assert harness.parse_args([]).engine_args == {}
+    for text, error in (("[512]", "a JSON object is needed, not list"), ("{max: 1}", "not JSON")):
+        with pytest.raises(SystemExit):
+            harness.parse_args(["--engine-args", text])
+        assert error in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     out = tmp_path_factory.mktemp("native_gpu") / "native_gpu.json"
