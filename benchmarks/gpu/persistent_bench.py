@@ -21,8 +21,11 @@ qkv BF16) against a torch FP32 reference that rounds to BF16 where the kernel do
 poisoned with NaN first. A plan whose numerics fail is not timed. Every wait on the GPU has a
 deadline: a kernel that does not finish (a dependency deadlock) ends the process with exit code 3.
 
-    python3 benchmarks/gpu/persistent_bench.py --lib build/persistent/libpersistent.so \
+    python3 benchmarks/gpu/persistent_bench.py --lib build/persistent/libpersistent.so [--kernel r12] \
         [--rows 64 176 512] [--plans 128,164,128,128/1,1,1,1 ...] [--json PATH] [--experiments]
+
+`--kernel` names the build in every row (`kernel`), so rows of two builds timed one after the other
+(persistent_run.sh with BASE=...) stay apart when merged.
 """
 
 from __future__ import annotations
@@ -111,6 +114,7 @@ def main() -> int:
     parser.add_argument("--plans", nargs="+", default=list(DEFAULT_PLANS),
                         help="tiles per phase / K splits per phase, e.g. 128,164,128,128/1,1,1,1")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--kernel", default="tree", help="label of the build, written into every row")
     parser.add_argument("--experiments", action="store_true",
                         help="also time the first plan's 1-launch kernel without A loads / without mma, and "
                              "trace its skeleton (debug 3) per phase (wrong results; where time goes)")
@@ -134,13 +138,15 @@ def main() -> int:
         "cuda": torch.version.cuda,
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": shlex.join(["python3", *sys.argv]),
+        "kernel": args.kernel,
     }
     rows_out: list[dict] = []
 
     def record(case: str, m: int | None, metric: str, value: float, unit: str, **extra) -> None:
         rows_out.append({"case": case, "rows": m, "metric": metric, "value": round(value, 4), "unit": unit,
                          **extra, **identity})
-        print(f"{case:<34} M={m!s:>4} {metric:<22} {value:>12.4f} {unit} {extra.get('variant', '')}", flush=True)
+        print(f"[{args.kernel}] {case:<34} M={m!s:>4} {metric:<22} {value:>12.4f} {unit} {extra.get('variant', '')}",
+              flush=True)
 
     def copy_bandwidth(label: str) -> float:  # the HBM ceiling: a 2 GiB copy, bytes read + written
         src = torch.randn(1 << 29, device="cuda")
@@ -161,13 +167,13 @@ def main() -> int:
     packed = [{name: pack(interleave_wi(w) if name == "wi" else w) for name, w in layer.items()}
               for layer in weights]
     pointer_table = (ctypes.c_uint64 * (6 * LAYERS))()
-    for l in range(LAYERS):
-        for i, ptr in enumerate([packed[l][n].data_ptr() for n in SHAPES] + [norms[l]["mlp"].data_ptr(),
-                                                                              norms[l]["attn"].data_ptr()]):
-            pointer_table[6 * l + i] = ptr
+    for layer in range(LAYERS):
+        for i, ptr in enumerate([packed[layer][n].data_ptr() for n in SHAPES]
+                                + [norms[layer]["mlp"].data_ptr(), norms[layer]["attn"].data_ptr()]):
+            pointer_table[6 * layer + i] = ptr
 
-    def ref_layer(ctx, h, l):
-        w, nm = weights[l], norms[l]
+    def ref_layer(ctx, h, layer):
+        w, nm = weights[layer], norms[layer]
         h1 = h + ctx.float() @ w["wo"].float().T
         x = (fn.layer_norm(h1, (D,), eps=1e-5) * nm["mlp"]).bfloat16()
         u = x.float() @ w["wi"].float().T
@@ -267,8 +273,8 @@ def main() -> int:
                 launch(LAYERS)
                 sync()
                 c, r = ctx, h
-                for l in range(LAYERS):
-                    r, q = ref_layer(c, r, l)
+                for layer in range(LAYERS):
+                    r, q = ref_layer(c, r, layer)
                     c = q.bfloat16()[:, :D].contiguous()
                 finite = bool(torch.isfinite(h_out).all() and torch.isfinite(qkv).all())
                 er, eq = rel(h_out, r), rel(qkv, q)
@@ -295,8 +301,8 @@ def main() -> int:
                 phase_trace(m, tag, debug, trace.cpu().numpy())
 
             def chain28(launch=launch):
-                for l in range(LAYERS):
-                    launch(1, first=l)
+                for layer in range(LAYERS):
+                    launch(1, first=layer)
 
             for case, run in (("persistent x28 (1 layer/launch)", chain28),
                               ("persistent 1 launch (28 layers)", lambda launch=launch: launch(LAYERS))):
@@ -316,17 +322,19 @@ def main() -> int:
 
         def gemms(a_in=a_in):
             for w in weights:
-                fn.linear(a_in[D], w["wqkv"]); fn.linear(a_in[D], w["wo"])
-                fn.linear(a_in[D], w["wi"]); fn.linear(a_in[F], w["wo_mlp"])
+                fn.linear(a_in[D], w["wqkv"])
+                fn.linear(a_in[D], w["wo"])
+                fn.linear(a_in[D], w["wi"])
+                fn.linear(a_in[F], w["wo_mlp"])
 
         def tail(h=h, ctx=ctx):
-            for l, w in enumerate(weights):
+            for layer, w in enumerate(weights):
                 h1 = h + fn.linear(ctx, w["wo"]).float()
-                x = fn.layer_norm(h1, (D,), weight=norms[l]["mlp"], eps=1e-5).bfloat16()
+                x = fn.layer_norm(h1, (D,), weight=norms[layer]["mlp"], eps=1e-5).bfloat16()
                 u = fn.linear(x, w["wi"])
                 g = fn.gelu(u[:, :F]) * u[:, F:]
                 out = h1 + fn.linear(g, w["wo_mlp"]).float()
-                y = fn.layer_norm(out, (D,), weight=norms[l]["attn"], eps=1e-5).bfloat16()
+                y = fn.layer_norm(out, (D,), weight=norms[layer]["attn"], eps=1e-5).bfloat16()
                 fn.linear(y, w["wqkv"])
 
         for case, run in (("cublas gemms (112)", gemms), ("torch layer tail (28 layers)", tail)):
@@ -346,7 +354,8 @@ def main() -> int:
                           and r["metric"] == "forward_us")
             print(f"{row['case']:<34} {row['rows']:>5} {row.get('variant', '-'):>24} {us:>11.1f} {row['value']:>7.2f}"
                   f" {row['fraction_of_copy']:>8.3f} {us / cublas:>8.2f}")
-    print(f"{identity['gpu']}, torch {identity['torch']}, CUDA {identity['cuda']}, {identity['date']}")
+    print(f"{identity['gpu']}, torch {identity['torch']}, CUDA {identity['cuda']}, {identity['date']}, "
+          f"kernel {args.kernel} ({args.lib})")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(rows_out, indent=1) + "\n")
