@@ -21,7 +21,7 @@ qkv BF16) against a torch FP32 reference that rounds to BF16 where the kernel do
 poisoned with NaN first. A plan whose numerics fail is not timed. Every wait on the GPU has a
 deadline: a kernel that does not finish (a dependency deadlock) ends the process with exit code 3.
 
-    python3 benchmarks/gpu/persistent_bench.py --lib build/persistent/libpersistent.so [--kernel r12] \
+    python3 benchmarks/gpu/persistent_bench.py --lib build/persistent/libpersistent.so [--kernel NAME] \
         [--rows 64 176 512] [--plans 128,164,128,128/1,1,1,1 ...] [--json PATH] [--experiments]
 
 `--kernel` names the build in every row (`kernel`), so rows of two builds timed one after the other

@@ -12,7 +12,7 @@
 #     git show a051858:omnigraph/workers/ops/csrc/$f > build/r11/$f; done
 #   BASE=build/r11 bash benchmarks/gpu/persistent_run.sh ...      # run(carry=["build/r11"])
 # BASE_PLANS (default: the first of PLANS) are the plans timed for BASE and for each variant.
-# TREE_VARIANTS="s3:-DOMNIGRAPH_A_STAGES=3 ..." also builds the working tree's source with those nvcc
+# TREE_VARIANTS="NAME:-DFLAG=1,-DOTHER ..." also builds the working tree's source with those nvcc
 # flags (name:flag,flag) and times each after the tree's build (rows tagged kernel=name).
 set -u
 OUT=${OUT:-/tmp/persistent-out}

@@ -27,11 +27,9 @@
 // freed its region; issuing costs ~1 us, kept off the ticket and signal path). There
 // is no separate producer warp: 9 warps would cap registers at 168 (3 warps on one SM quarter), 8 get
 // 255. The 8 warps compute with mma.sync m16n8k16 (BF16 in, FP32 accumulate), warp = (16-row group,
-// K parity), A fragments read as 16-byte loads (a K permutation that the packing repeats). Since
-// round 12, A is staged in shared memory: warp 0 bulk-copies each task's A in chunks of 64 rows x 8
-// k32 blocks into 2 stages (mbarriers), and the warps read their fragments from there instead of
-// from L2 (see kChunkBlocks for the shared-memory budget). The last CTA to finish resets the
-// counters, so the kernel can be replayed in a CUDA graph.
+// K parity), A fragments loaded straight from L2 as 16-byte loads (a K permutation that the packing
+// repeats), two rounds of 4 k32 blocks in flight. The last CTA to finish resets the counters, so the
+// kernel can be replayed in a CUDA graph.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -47,30 +45,8 @@ namespace {
 constexpr int kConsumerWarps = 8;  // all warps compute; thread 0 also issues the weight copies
 constexpr int kThreads = kConsumerWarps * 32;
 constexpr int kMaxNt = 8;       // n8 tiles per task
+constexpr int kRound = 4;       // k32 blocks per warp per round of A loads
 constexpr int kInFlight = 16;   // tasks whose weights may be in the ring at once
-// A staging (round 12). Each task's A operand goes through shared memory in chunks of 64 rows x
-// kChunkBlocks logical k32 blocks, copied by warp 0 with cp.async.bulk (one copy per row, two where
-// the rotated K range wraps) into kAStages buffers that complete on mbarriers (a_full); every warp
-// arrives on a_empty when it has read a chunk, and warp 0 then refills that buffer with the chunk
-// kAStages ahead (row blocks included), so the stream runs across the task's 64-row blocks.
-// A row of a chunk is kChunkBlocks * 64 B of A plus 64 B of padding: kARowBytes = 576 = 64 mod 128, so
-// the 8 lanes of each LDS.128 phase (rows 2i and 2i+1, 4 x 16 B each) cover all 32 banks once.
-// Shared memory (227 KB = 232448 B opt-in per block on the H100/H200):
-//   1024 B      mbarriers (16 weight + 2 a_full + 2 a_empty), the ticket flag
-//   16384 B     cross-parity reduce (4 m-warps x 8 n8 tiles x 32 lanes x float4)
-//   73728 B     A: kAStages (2) x 64 rows x 576 B = 2 x 36864 B (32 KB of A per chunk)
-//   141312 B    weight ring (the rest, rounded down to 1 KB: 138 KB, was 210 KB in round 11); the
-//               default plan's largest task is Wi's 6 n8 groups x 32 k32 blocks x 512 B = 96 KB
-constexpr int kChunkBlocks = 8;               // logical k32 blocks per A chunk
-constexpr int kRound = kChunkBlocks / 2;      // k32 blocks per warp (one K parity) per chunk
-#ifndef OMNIGRAPH_A_STAGES  // benchmark variants only (persistent_run.sh TREE_VARIANTS): 3 stages leave a 102 KB ring
-#define OMNIGRAPH_A_STAGES 2
-#endif
-constexpr int kAStages = OMNIGRAPH_A_STAGES;
-constexpr int kARowBytes = kChunkBlocks * 64 + 64;
-constexpr int kAStageBytes = 64 * kARowBytes;
-static_assert(kARowBytes % 128 == 64, "rows 2i and 2i+1 of a chunk must sit in opposite bank halves");
-static_assert(kInFlight + 2 * kAStages <= 48, "the mbarriers must end before the ticket flag at byte 384");
 constexpr int kDebugNoALoads = 1;  // timing experiments only: results are wrong with these
 constexpr int kDebugNoMma = 2;
 // With a trace, thread 0 of every CTA stamps each task's moments (TraceMoment, %globaltimer) into
@@ -96,8 +72,7 @@ constexpr int kF = 2624;
 constexpr int kQkv = 3072;
 constexpr int kCountersPerLayer = 8;  // [phase] completion, [4 + phase] LayerNorm meeting (phases 0, 2)
 constexpr int kReduceBytes = 4 * kMaxNt * 32 * 16;  // 4 m-warps x 8 n8-tiles x 32 lanes x float4
-constexpr int kSmemA = 1024 + kReduceBytes;        // A stages start here (17408 B: 1 KB aligned)
-constexpr int kSmemFixed = kSmemA + kAStages * kAStageBytes;  // mbarriers, scratch, reduce, A stages
+constexpr int kSmemFixed = 1024 + kReduceBytes;   // mbarriers, scratch, ring bookkeeping, reduce
 
 __host__ __device__ inline int CeilDiv(int a, int b) { return (a + b - 1) / b; }
 __host__ __device__ inline size_t Align256(size_t v) { return (v + 255) & ~size_t(255); }
@@ -151,13 +126,6 @@ __device__ inline void BulkLoad(void* smem, const void* gmem, uint32_t bytes, ui
       "l"(gmem), "r"(bytes), "r"(SmemAddr(bar))
       : "memory");
 }
-__device__ inline void MbarArrive(uint64_t* bar) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(SmemAddr(bar)) : "memory");
-}
-// Orders this thread's generic-proxy global accesses with its async-proxy (cp.async.bulk) ones: the
-// writers of a phase's output run it before they signal, warp 0 after it has seen the dependency and
-// before it bulk-copies that output as the next phase's A.
-__device__ inline void FenceProxyAsyncGlobal() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 __device__ inline void ConsumerSync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory"); }
 
 __device__ inline int LoadAcquire(const int* p) {
@@ -264,8 +232,8 @@ struct KernelParams {
 
 // ------------------------------------------------------------------------------------------------
 // One 64-row block of a GEMM task: acc = A[mb:mb+64, K range] @ W[tile]^T for this warp's 16 rows,
-// its parity of the k32 blocks. A from the task's A stream (shared memory chunks, below), W from the
-// task's ring region, laid out [nt][nb][32 lanes][16 B].
+// its parity of the k32 blocks. A from global (L2), W from the task's ring region, laid out
+// [nt][nb][32 lanes][16 B].
 // The warp's idx-th block is logical block kh + 2*idx, read at physical block (logical + rot) mod nb:
 // each tile starts its K loop elsewhere, so the CTAs of a phase (which all read the same A) do not
 // stream the same L2 lines at the same moment.
@@ -274,44 +242,20 @@ __device__ inline int PhysicalBlock(int kh, int idx, int rot, int nb) {
   return b >= nb ? b - nb : b;
 }
 
-// A task's A operand as a stream of chunks: chunk k is row block k / chunks (64 rows), logical k32
-// blocks [kChunkBlocks * (k % chunks), +kChunkBlocks) of the task's K range; its CTA-wide sequence
-// number seq + k picks the stage ((seq + k) % kAStages) and the mbarrier parities.
-struct AStream {
-  const __nv_bfloat16* a;  // row 0, first k32 block of the task's K range
-  int lda, m, nb, rot;
-  int chunks, total;       // chunks per 64-row block, chunks of the task
-  uint32_t seq;            // the CTA's chunks before this task
-  unsigned char* stage;    // kAStages x kAStageBytes
-  uint64_t* full;          // [kAStages] count 1 + bytes
-  uint64_t* empty;         // [kAStages] count kConsumerWarps
-  bool fake;               // timing experiment: no A loads
-};
-
-// Warp 0 (all 32 lanes): copy chunk k of the stream into its stage. Row r of the chunk lands at
-// r * kARowBytes, logical block l0 + i at i * 64 within it. Rows >= m are not copied (their stale
-// values only reach accumulator rows that are never stored). The caller has waited for the stage's
-// previous chunk to be read (a_empty).
-__device__ inline void IssueAChunk(const AStream& s, int k) {
-  const int lane = threadIdx.x & 31;
-  const uint32_t n = s.seq + uint32_t(k);
-  const int buf = int(n % kAStages);
-  const int rb = k / s.chunks;
-  const int mb = rb * 64, l0 = (k - rb * s.chunks) * kChunkBlocks;
-  const int blocks = min(kChunkBlocks, s.nb - l0), rows = min(64, s.m - mb);
-  uint64_t* bar = &s.full[buf];
-  if (lane == 0) MbarExpectTx(bar, s.fake ? 0u : uint32_t(rows * blocks * 64));
-  __syncwarp();
-  if (s.fake) return;
-  int p0 = l0 + s.rot;
-  if (p0 >= s.nb) p0 -= s.nb;
-  const int first = min(blocks, s.nb - p0);  // blocks before the rotated range wraps to block 0
-  unsigned char* dst0 = s.stage + buf * kAStageBytes;
-  for (int r = lane; r < rows; r += 32) {
-    const __nv_bfloat16* src = s.a + size_t(mb + r) * s.lda;
-    unsigned char* dst = dst0 + r * kARowBytes;
-    BulkLoad(dst, src + p0 * 32, uint32_t(first * 64), bar);
-    if (first < blocks) BulkLoad(dst + first * 64, src, uint32_t((blocks - first) * 64), bar);
+__device__ inline void LoadRound(uint4 (&lo)[kRound], uint4 (&hi)[kRound], const uint4* a_lo, const uint4* a_hi,
+                                 int kh, int first, int mine, int rot, int nb, bool fake, int lane) {
+#pragma unroll
+  for (int i = 0; i < kRound; ++i) {
+    const int idx = first + i;
+    if (idx < mine) {
+      const int bb = PhysicalBlock(kh, idx, rot, nb);
+      if (fake) {
+        lo[i] = hi[i] = make_uint4(lane, bb, 1, 2);
+      } else {
+        lo[i] = __ldcg(a_lo + bb * 4);
+        hi[i] = __ldcg(a_hi + bb * 4);
+      }
+    }
   }
 }
 
@@ -356,52 +300,29 @@ __device__ inline void ComputeRound(float (&acc)[kMaxNt][4], const uint4 (&lo)[k
   }
 }
 
-// Row block rb of the task: its chunks are k = rb * chunks .. + chunks - 1, chunk c being the warp's
-// blocks idx = kRound * c .. + kRound - 1, so ComputeRound runs the same MMAs in the same order per
-// accumulator as round 11 (where A came from L2 in rounds of kRound): bit-identical results.
 template <bool kInstrumented>
-__device__ void GemmBlock(float (&acc)[kMaxNt][4], const AStream& s, int rb, const uint4* w_smem, int nt_count,
-                          int debug) {
+__device__ void GemmBlock(float (&acc)[kMaxNt][4], const __nv_bfloat16* a, int lda, int nb, int rot,
+                          const uint4* w_smem, int nt_count, int mb, int m, int debug) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int mw = warp & 3, kh = warp >> 2;
   const int g = lane >> 2, t = lane & 3;
-  const int nb = s.nb, rot = s.rot;
+  const int r_lo = min(mb + mw * 16 + g, m - 1), r_hi = min(mb + mw * 16 + g + 8, m - 1);
+  const uint4* a_lo = reinterpret_cast<const uint4*>(a + size_t(r_lo) * lda + 8 * t);
+  const uint4* a_hi = reinterpret_cast<const uint4*>(a + size_t(r_hi) * lda + 8 * t);
   const int mine = (nb - kh + 1) >> 1;  // blocks of this warp's parity
+  const bool fake = kInstrumented && (debug & kDebugNoALoads);
   const bool skip = kInstrumented && (debug & kDebugNoMma);
   const uint4* w_lane = w_smem + lane;
   const int stride = nb * 32;
-  // lane (g, t): rows mw*16 + g (lo) and + 8 (hi), 16 B at logical block l of the chunk: (l - l0) * 64 + t * 16,
-  // and l - l0 = kh + 2 * i for the warp's i-th block of the chunk
-  const unsigned char* lane_a = s.stage + (mw * 16 + g) * kARowBytes + kh * 64 + t * 16;
 #pragma unroll
   for (int nt = 0; nt < kMaxNt; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-  for (int c = 0; c < s.chunks; ++c) {
-    const int k = rb * s.chunks + c;
-    const uint32_t n = s.seq + uint32_t(k);
-    const int buf = int(n % kAStages);
-    const uint32_t use = n / kAStages;
-    MbarWait(&s.full[buf], use & 1);
-    const int first = kRound * c;
-    uint4 lo[kRound], hi[kRound];
-    const unsigned char* src = lane_a + buf * kAStageBytes;
-#pragma unroll
-    for (int i = 0; i < kRound; ++i) {
-      if (first + i < mine) {
-        if (kInstrumented && s.fake) {
-          lo[i] = hi[i] = make_uint4(lane, first + i, 1, 2);
-        } else {
-          lo[i] = *reinterpret_cast<const uint4*>(src + i * 128);
-          hi[i] = *reinterpret_cast<const uint4*>(src + 8 * kARowBytes + i * 128);
-        }
-      }
-    }
-    if (!skip) ComputeRound(acc, lo, hi, w_lane, stride, kh, first, mine, rot, nb, nt_count);
-    __syncwarp();
-    if (lane == 0) MbarArrive(&s.empty[buf]);  // release: this warp's reads of the stage are done
-    if (warp == 0 && k + kAStages < s.total) {  // refill the stage with the chunk kAStages ahead
-      MbarWait(&s.empty[buf], use & 1);
-      IssueAChunk(s, k + kAStages);
-    }
+  uint4 lo0[kRound], hi0[kRound], lo1[kRound], hi1[kRound];
+  LoadRound(lo0, hi0, a_lo, a_hi, kh, 0, mine, rot, nb, fake, lane);
+  for (int first = 0; first < mine; first += 2 * kRound) {
+    LoadRound(lo1, hi1, a_lo, a_hi, kh, first + kRound, mine, rot, nb, fake, lane);
+    if (!skip) ComputeRound(acc, lo0, hi0, w_lane, stride, kh, first, mine, rot, nb, nt_count);
+    LoadRound(lo0, hi0, a_lo, a_hi, kh, first + 2 * kRound, mine, rot, nb, fake, lane);
+    if (!skip) ComputeRound(acc, lo1, hi1, w_lane, stride, kh, first + kRound, mine, rot, nb, nt_count);
   }
   if (nt_count <= 2) {
 #pragma unroll
@@ -533,21 +454,14 @@ template <bool kInstrumented>
 __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __grid_constant__ KernelParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* a_full = full + kInFlight;
-  uint64_t* a_empty = a_full + kAStages;
   int* flag = reinterpret_cast<int*>(smem + 384);
   float4* reduce = reinterpret_cast<float4*>(smem + 1024);
-  unsigned char* a_stage = smem + kSmemA;
   unsigned char* ring = smem + kSmemFixed;
   const int ring_bytes = p.ring_bytes;
 
   const int warp = threadIdx.x >> 5;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kInFlight; ++s) MbarInit(&full[s], 1);
-    for (int s = 0; s < kAStages; ++s) {
-      MbarInit(&a_full[s], 1);
-      MbarInit(&a_empty[s], kConsumerWarps);
-    }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -560,58 +474,31 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
   // of the byte ring (a region that would cross the end starts at 0 instead), issued as far ahead as
   // the ring and kInFlight allow; a region frees when its task's GEMM is done (j, tail).
   int j = 0, head = 0;                                        // tasks consumed, consumer ring position
-  int issued = 0, issue_head = 0, tail = 0;  // thread 0's producer state
-  // Thread 0's next task to issue, (layer, phase, local) advanced by `grid` without Locate's division
-  // and scan, and its copies worked out once (round 12: a probe that does not fit the ring keeps them
-  // for the next call instead of redoing Locate, Geo and the weight-table loads).
-  int is_layer = 0, is_phase = 0, is_local = blockIdx.x;
-  auto advance = [&](int by) {
-    is_local += by;
-    while (is_layer < p.args.layers && is_local >= p.prefix[is_phase + 1] - p.prefix[is_phase]) {
-      is_local -= p.prefix[is_phase + 1] - p.prefix[is_phase];
-      if (++is_phase == kPhases) {
-        is_phase = 0;
-        ++is_layer;
-      }
-    }
-  };
-  advance(0);
-  const __nv_bfloat16* pend_src = nullptr;  // null: the next task's copies are not worked out yet
-  int pend_bytes = 0, pend_copies = 0, pend_copy_bytes = 0;
-  size_t pend_stride = 0;  // elements between the copies of a split task (one per n8 group)
+  int issue_index = blockIdx.x, issued = 0, issue_head = 0, tail = 0;  // thread 0's producer state
   auto issue = [&]() {
-    while (is_layer < p.args.layers && issued - j < kInFlight) {
-      if (pend_src == nullptr) {
-        const PhasePlan& pp = p.ph[is_phase];
-        const TaskGeo geo = Geo(pp, is_local);
-        const LayerWeights& lw = p.args.weights[is_layer];
-        const __nv_bfloat16* w = is_phase == 0 ? lw.wo : is_phase == 1 ? lw.wi : is_phase == 2 ? lw.wo_mlp : lw.wqkv;
-        pend_bytes = geo.nt * geo.nb * 512;
-        if (geo.nb == pp.kb) {  // full K: the task's groups are one run
-          pend_copies = 1;
-          pend_copy_bytes = pend_bytes;
-          pend_src = w + size_t(geo.g0) * pp.kb * 256;
-          pend_stride = 0;
-        } else {
-          pend_copies = geo.nt;
-          pend_copy_bytes = geo.nb * 512;
-          pend_src = w + (size_t(geo.g0) * pp.kb + geo.b0) * 256;
-          pend_stride = size_t(pp.kb) * 256;
-        }
-      }
+    while (issue_index < total && issued - j < kInFlight) {
+      const Task task = Locate(issue_index, p.prefix);
+      const PhasePlan& pp = p.ph[task.phase];
+      const TaskGeo geo = Geo(pp, task.local);
+      const int bytes = geo.nt * geo.nb * 512;
       int start = issue_head;
-      if (start % ring_bytes + pend_bytes > ring_bytes) start += ring_bytes - start % ring_bytes;
-      const int end = start + pend_bytes;
+      if (start % ring_bytes + bytes > ring_bytes) start += ring_bytes - start % ring_bytes;
+      const int end = start + bytes;
       if (end - (issued == j ? start : tail) > ring_bytes) break;  // would overwrite weights still in use
+      const LayerWeights& lw = p.args.weights[task.layer];
+      const __nv_bfloat16* w = task.phase == 0 ? lw.wo : task.phase == 1 ? lw.wi : task.phase == 2 ? lw.wo_mlp : lw.wqkv;
       unsigned char* dst = ring + start % ring_bytes;
       uint64_t* bar = &full[issued % kInFlight];
-      MbarExpectTx(bar, uint32_t(pend_bytes));
-      for (int i = 0; i < pend_copies; ++i)
-        BulkLoad(dst + i * pend_copy_bytes, pend_src + i * pend_stride, uint32_t(pend_copy_bytes), bar);
+      MbarExpectTx(bar, uint32_t(bytes));
+      if (geo.nb == pp.kb) {
+        BulkLoad(dst, w + size_t(geo.g0) * pp.kb * 256, uint32_t(bytes), bar);
+      } else {
+        for (int i = 0; i < geo.nt; ++i)
+          BulkLoad(dst + i * geo.nb * 512, w + (size_t(geo.g0 + i) * pp.kb + geo.b0) * 256, uint32_t(geo.nb * 512), bar);
+      }
       issue_head = end;
       ++issued;
-      pend_src = nullptr;
-      advance(grid);
+      issue_index += grid;
     }
   };
   if (threadIdx.x == 0) issue();
@@ -621,7 +508,6 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
   const int m = p.m;
   const int kh = warp >> 2;
   int ready = -1;  // highest global phase known complete (thread 0's view)
-  uint32_t a_seq = 0;  // A chunks of this CTA's earlier tasks (every thread's count)
   uint64_t stamp[kMoments];  // the current task's TraceMoments (thread 0's view), with a trace
   for (int index = blockIdx.x; index < total; index += grid) {
     const Task task = Locate(index, p.prefix);
@@ -666,28 +552,6 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
       default: a = p.buf.yb; lda = kD; break;
     }
     a += geo.b0 * 32;
-    AStream as;
-    as.a = a;
-    as.lda = lda;
-    as.m = m;
-    as.nb = geo.nb;
-    as.rot = (geo.tile * 5) % geo.nb;
-    as.chunks = CeilDiv(geo.nb, kChunkBlocks);
-    as.total = CeilDiv(m, 64) * as.chunks;
-    as.seq = a_seq;
-    as.stage = a_stage;
-    as.full = a_full;
-    as.empty = a_empty;
-    as.fake = kInstrumented && (p.args.debug_flags & kDebugNoALoads);
-    if (warp == 0) {  // the first kAStages chunks; the previous task's warps have read every stage
-      FenceProxyAsyncGlobal();
-      for (int k = 0; k < kAStages && k < as.total; ++k) {
-        const uint32_t n = a_seq + uint32_t(k);
-        if (n >= kAStages) MbarWait(&a_empty[n % kAStages], (n / kAStages - 1) & 1);
-        IssueAChunk(as, k);
-      }
-    }
-    a_seq += uint32_t(as.total);
     const int bytes = geo.nt * geo.nb * 512;
     int start = head;
     if (start % ring_bytes + bytes > ring_bytes) start += ring_bytes - start % ring_bytes;
@@ -699,7 +563,8 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
     const int g = lane >> 2, t = lane & 3;
     float acc[kMaxNt][4];
     for (int mb = 0; mb < m; mb += 64) {
-      GemmBlock<kInstrumented>(acc, as, mb / 64, w_smem, geo.nt, p.args.debug_flags);
+      GemmBlock<kInstrumented>(acc, a, lda, geo.nb, (geo.tile * 5) % geo.nb, w_smem, geo.nt, mb, m,
+                               p.args.debug_flags);
       if (kh == 1) {
 #pragma unroll
         for (int nt = 0; nt < kMaxNt; ++nt)
@@ -792,7 +657,6 @@ __global__ void __launch_bounds__(kThreads, 1) PersistentLayerKernel(const __gri
         mark(kMet);
         NormalizeTile(p, lw, task.phase, geo.g0, geo.nt);
       }
-      FenceProxyAsyncGlobal();  // this task's outputs are the next phase's A, read by cp.async.bulk
       ConsumerSync();
       mark(kNormalized);
       if (threadIdx.x == 0) {
