@@ -170,6 +170,16 @@ def add_latency(run: Run, case: str, model: str, questions: int, samples: list[f
                 questions=questions, requests=len(samples), **fields)
 
 
+def add_stage_times(run: Run, model: str, questions: int, durations: list[dict[int, float]],
+                    backends: dict[int, str]) -> None:
+    """p50 of the seconds each timed batch-1 answer spent inside each stage (its replica's call), so
+    the end-to-end p50 splits into the stages and what lies between them."""
+    for stage_id, backend in sorted(backends.items()):
+        seconds = [answer.get(stage_id, 0.0) for answer in durations]
+        run.add("omnigraph", "stage_p50_ms", round(1000 * harness.percentile(seconds, 50), 3), "ms", model=model,
+                questions=questions, stage=stage_id, backend=backend, requests=len(seconds))
+
+
 # ----------------------------------------------------------------------------------------------
 # Cases
 
@@ -316,15 +326,21 @@ def case_omnigraph(run: Run, model: Model, requests: dict[int, dict]) -> None:
     run.add("omnigraph", "load_s", round(time.perf_counter() - started, 3), "s", model=model.name,
             engine_args=dict(native.engine_args), detail="engine start (compile, CUDA graphs) and warm-up request")
     try:
+        backends = {stage.stage_id: stage.backend.name for stage in plan.stages}
+
         async def measure() -> None:
             for questions, request in requests.items():
-                async def answer(r: dict = request) -> dict:
+                durations: list[dict[int, float]] = []  # each answer's seconds inside each stage
+
+                async def answer(r: dict = request, seen: list[dict[int, float]] = durations) -> dict:
                     # To the generator's end: that acknowledges the request, freeing its admission slot.
                     outputs = [output async for output in omni.generate(r)]
+                    seen.append(outputs[-1].stage_durations)
                     return outputs[-1].custom_output
 
                 samples = await harness.time_calls_async(answer, args.requests, args.warmup)
                 add_latency(run, "omnigraph", model.name, questions, samples, precision=native.dtype)
+                add_stage_times(run, model.name, questions, durations[-args.requests:], backends)
                 for concurrency in args.concurrency:
                     load = await throughput.closed_loop(answer, concurrency, args.seconds, args.warmup_s)
                     load = throughput.Load(concurrency, load.latencies, load.seconds, load.cpu_seconds,
@@ -394,6 +410,13 @@ def report_lines(rows: list[dict]) -> list[str]:
         lines.append(f"{model:<9} {case:<13} {questions:>2} {cells['p50_ms']!s:>9} {cells['p99_ms']!s:>9} "
                      + "".join(f"{'-' if load is None else load:>12}" for load in loads)
                      + f" {cells['max_prob_drift']!s:>9} {cells['decision_flips']!s:>5}")
+    splits: dict[tuple[str, int], list[str]] = {}
+    for row in rows:
+        if row["metric"] == "stage_p50_ms":
+            splits.setdefault((row["model"], row["questions"]), []).append(
+                f"stage {row['stage']} ({row['backend']}) {row['value']} ms")
+    for (model, questions), stages in splits.items():
+        lines.append(f"omnigraph {model} q={questions}, p50 inside each stage: " + ", ".join(stages))
     for row in rows:
         if row["metric"] == "status" and row["value"] != "ok":
             lines.append(f"{row['model']} {row['case']}: {row['value']}: {row.get('detail', '')}")

@@ -88,3 +88,10 @@ def test_both_cases_answer_each_model_at_each_question_count(smoke_run: list[dic
     assert loads == {(questions, concurrency) for questions in QUESTIONS for concurrency in (1, 4)}
     targets = [row for row in smoke_run if row["case"] == "target" and row["model"] == model]
     assert len(targets) == 2 * len(QUESTIONS) and "not measured" not in {row["status"] for row in targets}
+    # The end-to-end p50 splits into the time inside each stage: the vLLM stage, then the head graph.
+    stages = _rows(smoke_run, model, "omnigraph", "stage_p50_ms")
+    assert {(row["questions"], row["stage"]) for row in stages} == {(q, s) for q in QUESTIONS for s in (0, 1)}
+    assert [row["backend"] for row in stages if row["questions"] == 1][0] == "vllm.pooling.v1"
+    end_to_end = {row["questions"]: row["value"] for row in _rows(smoke_run, model, "omnigraph", "p50_ms")
+                  if "concurrency" not in row}
+    assert all(0 < row["value"] < 2 * end_to_end[row["questions"]] for row in stages)

@@ -58,7 +58,8 @@ def _rows(case: str, concurrency: int, **values: float) -> list[dict]:
 
 
 def test_cpu_targets_compare_batching_on_with_off_and_with_its_own_c1_p99() -> None:
-    rows = (_rows(throughput.OFF, 32, decisions_per_s=10.0) + _rows(throughput.ON, 32, decisions_per_s=25.0, p99_ms=90.0)
+    rows = (_rows(throughput.OFF, 32, decisions_per_s=10.0)
+            + _rows(throughput.ON, 32, decisions_per_s=25.0, p99_ms=90.0)
             + _rows(throughput.ON, 1, p99_ms=20.0))
     speedup, p99 = throughput.targets(rows, "cpu")
     assert (speedup["value"], speedup["status"]) == (2.5, "met")
