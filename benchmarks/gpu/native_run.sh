@@ -124,6 +124,6 @@ rows = [row for path in sys.argv[2:] for row in json.load(open(path))]
 json.dump(rows, open(sys.argv[1], "w"), indent=2)' "$JSON" "$RESULTS"/native_gpu-*.json
   "$PYTHON" benchmarks/native_gpu.py --report "$JSON"
 else
-  echo "no benchmark JSON in $WORK yet: the last 40 lines of the log"
+  echo "no benchmark JSON in $RESULTS yet: the last 40 lines of the log"
   tail -n 40 "$LOG"
 fi

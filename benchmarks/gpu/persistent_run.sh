@@ -56,7 +56,8 @@ done
 for i in "${!kernels[@]}"; do
   k=${kernels[$i]}
   echo "== $k: $(grep -E "stack|Used" "$OUT/ptxas-$k.txt" | tr -s ' ' | paste -sd ' ')" | tee -a "$OUT/ptxas.txt"
-  echo "SASS $k: $(cuobjdump --dump-sass "${libs[$i]}" 2>/dev/null | grep -cE "HMMA") HMMA, $(cuobjdump --dump-sass "${libs[$i]}" 2>/dev/null | grep -cE "UBLKCP") UBLKCP, $(cuobjdump --dump-sass "${libs[$i]}" 2>/dev/null | grep -cE "LDS.128") LDS.128" | tee -a "$OUT/ptxas.txt"
+  sass=$(cuobjdump --dump-sass "${libs[$i]}" 2>/dev/null)  # disassembled once, counted three ways
+  echo "SASS $k: $(grep -cE "HMMA" <<< "$sass") HMMA, $(grep -cE "UBLKCP" <<< "$sass") UBLKCP, $(grep -cE "LDS.128" <<< "$sass") LDS.128" | tee -a "$OUT/ptxas.txt"
 done
 # the clocks while the benchmark runs (read only)
 ( while sleep 1; do nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,clocks.mem,power.draw,clocks_throttle_reasons.active --format=csv,noheader; done > "$OUT/clocks.txt" 2>&1 ) &
