@@ -177,12 +177,16 @@ class PoolingEngine:
         return self.client.errored
 
     def close(self, timeout: float) -> None:
-        """Shut an owned engine down (its engine-core process exits), end the tasks it left on the
-        loop, and stop the loop thread."""
+        """Shut an owned engine down (its engine-core process exits) and stop the loop thread.
+
+        The engine's output handler is cancelled first: `AsyncLLM.shutdown` stops the engine core
+        before it cancels the handler, and a handler that sees the core gone in between logs
+        "AsyncLLM output_handler failed ... EngineDeadError" for an ordinary shutdown."""
         if not self.owned:
             return
-        self.client.shutdown(timeout=timeout)
         self.run(_cancel_other_tasks()).result(timeout)
+        self.client.shutdown(timeout=timeout)
+        self.run(_cancel_other_tasks()).result(timeout)  # what the shutdown itself left on the loop
         self.loop.call_soon_threadsafe(self.loop.stop)
         if self._thread is not None:
             self._thread.join(timeout)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import os
 import shutil
 import signal
@@ -335,9 +336,11 @@ def test_a_dead_engine_fails_the_stage_for_good(omni):
 
 
 @pytest.mark.slow
-def test_shutdown_stops_the_engine_and_releases_the_ledger(omni):
+def test_shutdown_stops_the_engine_and_releases_the_ledger(omni, caplog):
     engine = omni.runtime.stages[0].replicas[0].engine
-    omni.shutdown()
+    with caplog.at_level(logging.ERROR):
+        omni.shutdown()
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
     assert omni.ledger_snapshot()["constraints"]["machine:ram"]["held"] == 0
     assert omni.ledger_snapshot()["reservations"] == []
     assert not any(process.is_alive() for process in engine.client.engine_core.resources.engine_manager.processes)
