@@ -71,6 +71,14 @@ constexpr int64_t kLayerWeightBytes = (3072LL + 1024 + 5248) * 1024 * 2 + 1024LL
 
 enum class AMode : int { kNone = 0, kPlain = 1, kBulk = 2 };
 
+// How a step's completion travels. kCounter: every thread fences, then thread 0 adds 1 to the
+// step's counter (red.release) and the next step's thread 0 polls it until it reaches the grid:
+// the CTAs' additions meet at one address. kFlags: thread 0 alone publishes the step in its CTA's
+// own flag (st.release, one 128-byte line per CTA) after the CTA's barrier, and the next step's
+// first `grid` threads each poll one CTA's flag: no address is written by two CTAs.
+enum class Signal : int { kCounter = 0, kFlags = 1 };
+constexpr int kFlagStride = 32;  // ints: one 128-byte line per CTA
+
 struct Config {
   int rows = 64;
   AMode a_mode = AMode::kBulk;
@@ -80,6 +88,8 @@ struct Config {
   bool writes = true;
   bool weights = false;
   int cluster = 1;  // > 1: A multicast across clusters of this many CTAs
+  Signal signal = Signal::kCounter;
+  bool l2_prefetch = false;  // the producer also prefetches the next layer's weights into L2
 };
 
 struct Buffers {
@@ -87,6 +97,7 @@ struct Buffers {
   int64_t act_bytes;
   const char* weights;     // kLayers x kLayerWeightBytes
   int* counters;           // one per step
+  int* flags;              // kFlagStride ints per CTA: the last step it finished
   unsigned long long* span;  // [min start, max end], %globaltimer ns
 };
 
@@ -137,6 +148,9 @@ __device__ inline uint32_t ClusterRank() {
 __device__ inline void ClusterSync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
 }
+__device__ inline void PrefetchL2(const void* gmem, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
+}
 __device__ inline void ConsumerSync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory"); }
 __device__ inline int LoadAcquire(const int* p) {
   int v;
@@ -145,6 +159,9 @@ __device__ inline int LoadAcquire(const int* p) {
 }
 __device__ inline void RedRelease(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ inline void StoreRelease(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ inline unsigned long long GlobalTimer() {
   unsigned long long t;
@@ -184,10 +201,26 @@ __device__ int64_t WeightShare(int step_in_layer, int grid) {
   return RoundDown16(kShapes[step_in_layer].weight_bytes / grid);
 }
 
+// This CTA's share of every step of `layer`, prefetched into L2 (a layer's weights, 24.5 MB, are
+// half of the H100's and H200's 50 MB L2).
+__device__ void PrefetchLayer(const Buffers& buf, int layer, int grid) {
+  int64_t step_base = 0;
+  for (int s = 0; s < kStepsPerLayer; ++s) {
+    const int64_t share = WeightShare(s, grid);
+    const char* src = buf.weights + layer * kLayerWeightBytes + step_base + blockIdx.x * share;
+    for (int64_t done = 0; done < share; done += kChunk)
+      PrefetchL2(src + done, static_cast<uint32_t>(share - done < kChunk ? share - done : kChunk));
+    step_base += kShapes[s].weight_bytes;
+  }
+}
+
 // The producer warp's lane 0: the weights of every step, in order, through the ring.
-__device__ void StreamWeights(const Buffers& buf, int grid, char* ring, uint64_t* full, uint64_t* empty) {
+__device__ void StreamWeights(const Config& cfg, const Buffers& buf, int grid, char* ring, uint64_t* full,
+                              uint64_t* empty) {
   uint32_t chunk_index = 0;
+  if (cfg.l2_prefetch) PrefetchLayer(buf, 0, grid);
   for (int layer = 0; layer < kLayers; ++layer) {
+    if (cfg.l2_prefetch && layer + 1 < kLayers) PrefetchLayer(buf, layer + 1, grid);
     const char* layer_weights = buf.weights + layer * kLayerWeightBytes;
     int64_t step_base = 0;
     for (int s = 0; s < kStepsPerLayer; ++s) {
@@ -318,8 +351,11 @@ __device__ void RunSteps(const Config& cfg, const Buffers& buf, int grid, uint32
   for (int step = 0; step < kSteps; ++step) {
     const int s = step % kStepsPerLayer;
     if (cfg.chain && step > 0) {
-      if (threadIdx.x == 0)
+      if (cfg.signal == Signal::kCounter && threadIdx.x == 0)
         while (LoadAcquire(&buf.counters[step - 1]) < grid) {
+        }
+      if (cfg.signal == Signal::kFlags && threadIdx.x < grid)
+        while (LoadAcquire(&buf.flags[threadIdx.x * kFlagStride]) < step) {
         }
       ConsumerSync();
     }
@@ -334,10 +370,14 @@ __device__ void RunSteps(const Config& cfg, const Buffers& buf, int grid, uint32
     if (cfg.weights) TakeWeights(s, grid, w_chunks, w_full, w_empty);
     if (cfg.writes) WriteTile(out, w, acc);
     in_fp32 = w.out_fp32;
-    if (cfg.chain) {
+    if (cfg.chain && cfg.signal == Signal::kCounter) {
       __threadfence();
       ConsumerSync();
       if (threadIdx.x == 0) RedRelease(&buf.counters[step], 1);
+    }
+    if (cfg.chain && cfg.signal == Signal::kFlags) {
+      ConsumerSync();
+      if (threadIdx.x == 0) StoreRelease(&buf.flags[blockIdx.x * kFlagStride], step + 1);
     }
   }
 }
@@ -371,7 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1) ChainKernel(Config cfg, Buffers b
   const unsigned long long start = GlobalTimer();
 
   if (warp == kConsumerWarps) {
-    if (cfg.weights && threadIdx.x % 32 == 0) StreamWeights(buf, grid, w_ring, w_full, w_empty);
+    if (cfg.weights && threadIdx.x % 32 == 0) StreamWeights(cfg, buf, grid, w_ring, w_full, w_empty);
   } else {
     RunSteps(cfg, buf, grid, rank, a_ring, a_full, a_empty, w_full, w_empty);
   }
@@ -397,7 +437,8 @@ struct Case {
 };
 
 std::vector<Case> Cases(int rows) {
-  auto c = [rows](AMode a, int share, int ksplit, bool chain, bool writes, bool weights, int cluster = 1) {
+  auto c = [rows](AMode a, int share, int ksplit, bool chain, bool writes, bool weights, int cluster = 1,
+                  Signal signal = Signal::kCounter, bool l2_prefetch = false) {
     Config cfg;
     cfg.rows = rows;
     cfg.a_mode = a;
@@ -407,6 +448,8 @@ std::vector<Case> Cases(int rows) {
     cfg.writes = writes;
     cfg.weights = weights;
     cfg.cluster = cluster;
+    cfg.signal = signal;
+    cfg.l2_prefetch = l2_prefetch;
     return cfg;
   };
   return {
@@ -424,6 +467,15 @@ std::vector<Case> Cases(int rows) {
       {"whole A, bulk + weights", c(AMode::kBulk, 1, 1, true, true, true)},
       {"A/4 per CTA, bulk + weights", c(AMode::kBulk, 4, 1, true, true, true)},
       {"K split 4, bulk + weights", c(AMode::kBulk, 1, 4, true, true, true)},
+      {"flags: signals only", c(AMode::kNone, 1, 1, true, false, false, 1, Signal::kFlags)},
+      {"flags: signals + stores + weights", c(AMode::kNone, 1, 1, true, true, true, 1, Signal::kFlags)},
+      {"flags: whole A, bulk + weights", c(AMode::kBulk, 1, 1, true, true, true, 1, Signal::kFlags)},
+      {"flags: A/4 per CTA, bulk + weights", c(AMode::kBulk, 4, 1, true, true, true, 1, Signal::kFlags)},
+      {"flags: A/8 per CTA, bulk + weights", c(AMode::kBulk, 8, 1, true, true, true, 1, Signal::kFlags)},
+      {"flags + L2: signals + stores + weights", c(AMode::kNone, 1, 1, true, true, true, 1, Signal::kFlags, true)},
+      {"flags + L2: whole A, bulk + weights", c(AMode::kBulk, 1, 1, true, true, true, 1, Signal::kFlags, true)},
+      {"flags + L2: A/4 per CTA, bulk + weights", c(AMode::kBulk, 4, 1, true, true, true, 1, Signal::kFlags, true)},
+      {"counter + L2: signals + stores + weights", c(AMode::kNone, 1, 1, true, true, true, 1, Signal::kCounter, true)},
       {"whole A, multicast x2", c(AMode::kBulk, 1, 1, true, true, false, 2)},
       {"whole A, multicast x4", c(AMode::kBulk, 1, 1, true, true, false, 4)},
       {"whole A, multicast x2 + weights", c(AMode::kBulk, 1, 1, true, true, true, 2)},
@@ -528,18 +580,21 @@ int main(int argc, char** argv) {
   Check(cudaMemset(weights, 1, kLayers * kLayerWeightBytes), "memset weights");
   buf.weights = weights;
   Check(cudaMalloc(&buf.counters, kSteps * sizeof(int)), "cudaMalloc counters");
+  const size_t flag_bytes = size_t{kFlagStride} * prop.multiProcessorCount * sizeof(int);
+  Check(cudaMalloc(&buf.flags, flag_bytes), "cudaMalloc flags");
   Check(cudaMalloc(&buf.span, 2 * sizeof(unsigned long long)), "cudaMalloc span");
   const unsigned long long span_init[2] = {~0ULL, 0ULL};
 
   std::printf("%s, %d SMs, %d threads per CTA, %zu B shared memory, %d launches per case\n", prop.name,
               prop.multiProcessorCount, kThreads, kSmemBytes, launches);
-  std::printf("%-32s %6s %6s %12s %12s\n", "case", "M", "CTAs", "forward us", "us per step");
+  std::printf("%-42s %6s %6s %12s %12s\n", "case", "M", "CTAs", "forward us", "us per step");
   std::string rows_json;
   for (int m : rows) {
     for (const Case& c : Cases(m)) {
       std::vector<double> spans;
       for (int l = 0; l < launches + 3; ++l) {
         Check(cudaMemsetAsync(buf.counters, 0, kSteps * sizeof(int)), "memset counters");
+        Check(cudaMemsetAsync(buf.flags, 0, flag_bytes), "memset flags");
         Check(cudaMemcpyAsync(buf.span, span_init, sizeof(span_init), cudaMemcpyHostToDevice), "span init");
         Launch(c.cfg, buf, grids[c.cfg.cluster]);
         Check(cudaDeviceSynchronize(), c.name);
@@ -548,7 +603,7 @@ int main(int argc, char** argv) {
         if (l >= 3) spans.push_back((span[1] - span[0]) / 1000.0);
       }
       const double us = MedianUs(spans);
-      std::printf("%-32s %6d %6d %12.1f %12.2f\n", c.name, m, grids[c.cfg.cluster], us, us / kSteps);
+      std::printf("%-42s %6d %6d %12.1f %12.2f\n", c.name, m, grids[c.cfg.cluster], us, us / kSteps);
       char row[512];
       std::snprintf(row, sizeof(row),
                     "%s{\"case\": \"%s\", \"rows\": %d, \"metric\": \"forward_us\", \"value\": %.1f, \"unit\": \"us\", "
