@@ -1,17 +1,18 @@
 // The floor of issue 19's design family, measured: what a one-kernel Laya encoder at batch 1 pays
 // before it multiplies anything.
 //
-// A persistent grid (one CTA per SM, cooperative launch, so all CTAs are resident) runs the 140
-// dependent steps of 28 layers with no arithmetic. Each layer is five steps, in order:
+// A persistent grid (one CTA per SM, all resident: a cooperative launch, or as many whole clusters
+// as fit at once) runs the 140 dependent steps of 28 layers with no arithmetic. Each layer is five
+// steps, in order:
 //   Wqkv (K 1024 -> N 3072), attention (per head), Wo (1024 -> 1024), Wi (1024 -> 5248),
 //   Wo_mlp (2624 -> 1024).
 // A step, on every CTA:
-//   1. thread 0 waits until every CTA has signalled the step before (ld.acquire.gpu, a counter);
-//   2. the CTA reads its share of the step's input A, which the step before wrote;
+//   1. it waits until every CTA has signalled the step before (`Signal`: a counter or flags);
+//   2. it reads its share of the step's input A, which the step before wrote;
 //   3. it writes its tile of the output: BF16 stores or, with K split, FP32 red.add partials;
 //   4. it takes its share of the step's weights from a shared-memory ring that a producer warp
 //      fills from HBM as far ahead as the ring allows (cp.async.bulk), independent of the chain;
-//   5. thread 0 signals (__threadfence, red.release.gpu.add on the step's counter).
+//   5. it signals.
 // Every simplification makes the floor lower than a real kernel's, never higher: no MMA, no
 // LayerNorm statistics, no attention arithmetic, the consumer's LayerNorm and GeGLU are free, and
 // `share d` cases let each CTA read only 1/d of A (a lower bound for any d-CTA cluster that
