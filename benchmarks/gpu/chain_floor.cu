@@ -76,8 +76,11 @@ enum class AMode : int { kNone = 0, kPlain = 1, kBulk = 2 };
 // step's counter (red.release) and the next step's thread 0 polls it until it reaches the grid:
 // the CTAs' additions meet at one address. kFlags: thread 0 alone publishes the step in its CTA's
 // own flag (st.release, one 128-byte line per CTA) after the CTA's barrier, and the next step's
-// first `grid` threads each poll one CTA's flag: no address is written by two CTAs.
-enum class Signal : int { kCounter = 0, kFlags = 1 };
+// first `grid` threads each poll one CTA's flag: no address is written by two CTAs. kRelaxed: the
+// flags with relaxed stores and loads, no release or acquire: what a protocol pays whose every
+// store carries its own flag (NCCL's LL: 4 bytes of data and 4 of flag per 8-byte store), so that
+// seeing the flag is seeing the data and no fence is needed, at twice the bytes.
+enum class Signal : int { kCounter = 0, kFlags = 1, kRelaxed = 2 };
 constexpr int kFlagStride = 32;  // ints: one 128-byte line per CTA
 
 struct Config {
@@ -163,6 +166,14 @@ __device__ inline void RedRelease(int* p, int v) {
 }
 __device__ inline void StoreRelease(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ inline int LoadRelaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline void StoreRelaxed(int* p, int v) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 __device__ inline unsigned long long GlobalTimer() {
   unsigned long long t;
@@ -358,6 +369,9 @@ __device__ void RunSteps(const Config& cfg, const Buffers& buf, int grid, uint32
       if (cfg.signal == Signal::kFlags && threadIdx.x < grid)
         while (LoadAcquire(&buf.flags[threadIdx.x * kFlagStride]) < step) {
         }
+      if (cfg.signal == Signal::kRelaxed && threadIdx.x < grid)
+        while (LoadRelaxed(&buf.flags[threadIdx.x * kFlagStride]) < step) {
+        }
       ConsumerSync();
     }
     const StepWork w = Work(cfg, s, in_fp32, blockIdx.x, grid);
@@ -379,6 +393,10 @@ __device__ void RunSteps(const Config& cfg, const Buffers& buf, int grid, uint32
     if (cfg.chain && cfg.signal == Signal::kFlags) {
       ConsumerSync();
       if (threadIdx.x == 0) StoreRelease(&buf.flags[blockIdx.x * kFlagStride], step + 1);
+    }
+    if (cfg.chain && cfg.signal == Signal::kRelaxed) {
+      ConsumerSync();
+      if (threadIdx.x == 0) StoreRelaxed(&buf.flags[blockIdx.x * kFlagStride], step + 1);
     }
   }
 }
@@ -477,6 +495,13 @@ std::vector<Case> Cases(int rows) {
       {"flags + L2: whole A, bulk + weights", c(AMode::kBulk, 1, 1, true, true, true, 1, Signal::kFlags, true)},
       {"flags + L2: A/4 per CTA, bulk + weights", c(AMode::kBulk, 4, 1, true, true, true, 1, Signal::kFlags, true)},
       {"counter + L2: signals + stores + weights", c(AMode::kNone, 1, 1, true, true, true, 1, Signal::kCounter, true)},
+      {"relaxed: signals only", c(AMode::kNone, 1, 1, true, false, false, 1, Signal::kRelaxed)},
+      {"relaxed: signals + stores", c(AMode::kNone, 1, 1, true, true, false, 1, Signal::kRelaxed)},
+      {"relaxed: A/4 per CTA, bulk (LL's A/8)", c(AMode::kBulk, 4, 1, true, true, false, 1, Signal::kRelaxed)},
+      {"relaxed: signals + stores + weights", c(AMode::kNone, 1, 1, true, true, true, 1, Signal::kRelaxed)},
+      {"relaxed: A/4 per CTA, bulk + weights", c(AMode::kBulk, 4, 1, true, true, true, 1, Signal::kRelaxed)},
+      {"flags: A/8 per CTA, bulk", c(AMode::kBulk, 8, 1, true, true, false, 1, Signal::kFlags)},
+      {"flags: signals + stores", c(AMode::kNone, 1, 1, true, true, false, 1, Signal::kFlags)},
       {"whole A, multicast x2", c(AMode::kBulk, 1, 1, true, true, false, 2)},
       {"whole A, multicast x4", c(AMode::kBulk, 1, 1, true, true, false, 4)},
       {"whole A, multicast x2 + weights", c(AMode::kBulk, 1, 1, true, true, true, 2)},
