@@ -8,6 +8,7 @@
 # times it first with the same arguments, in its own processes (rows tagged kernel=$(basename DIR);
 # the working tree's are kernel=tree). The device gets no git history, so make DIR here and carry
 # it (build/ is ignored), e.g. round 11's kernel (commit a051858):
+# (the kernel lived in omnigraph/workers/ops/csrc/ until round 13):
 #   mkdir -p build/r11 && for f in persistent_layer.cu persistent_layer.h; do
 #     git show a051858:omnigraph/workers/ops/csrc/$f > build/r11/$f; done
 #   BASE=build/r11 bash benchmarks/gpu/persistent_run.sh ...      # run(carry=["build/r11"])
@@ -34,7 +35,7 @@ build() {
 }
 kernels=(tree)
 libs=("$LIB")
-build tree omnigraph/workers/ops/csrc/persistent_layer.cu "$LIB" &
+build tree benchmarks/gpu/persistent/persistent_layer.cu "$LIB" &
 tree_build=$!
 if [ -n "$BASE" ]; then
   base_name=$(basename "$BASE")
@@ -48,7 +49,7 @@ fi
 wait $tree_build || { cat "$OUT/ptxas-tree.txt"; exit 1; }
 for v in $TREE_VARIANTS; do
   name=${v%%:*}
-  build "$name" omnigraph/workers/ops/csrc/persistent_layer.cu "build/persistent-$name/libpersistent.so" \
+  build "$name" benchmarks/gpu/persistent/persistent_layer.cu "build/persistent-$name/libpersistent.so" \
     "$(echo "${v#*:}" | tr , ' ')" || { cat "$OUT/ptxas-$name.txt"; exit 1; }
   kernels+=("$name")
   libs+=("build/persistent-$name/libpersistent.so")
@@ -63,7 +64,7 @@ done
 ( while sleep 1; do nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,clocks.mem,power.draw,clocks_throttle_reasons.active --format=csv,noheader; done > "$OUT/clocks.txt" 2>&1 ) &
 CLOCKS=$!
 # the GPU test builds the working tree's source itself
-timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_persistent_layer.py > "$OUT/pytest.txt" 2>&1
+timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/benchmarks/test_persistent_layer.py > "$OUT/pytest.txt" 2>&1
 echo "gpu pytest rc=$? ($(tail -1 "$OUT/pytest.txt"))" | tee -a "$OUT/log.txt"
 set -o pipefail
 rc=0

@@ -1,7 +1,8 @@
 """The persistent layer kernel's contract in NumPy (issue 19): its weight packing, its task
 geometry and the semantics of one launch, so the CPU can check what the CUDA kernel
-(`csrc/persistent_layer.cu`) computes. Not registered as an ORT op yet: see
-`benchmarks/results/persistent-h200.md` for why.
+(`persistent_layer.cu`, beside this file) computes. It is research, not shipped: issue 19 is
+blocked, because the design's own floor lies above its targets (round 13 of
+`benchmarks/results/persistent-h200.md`), so the kernel was never registered as an ORT op.
 
 One launch with `layers == 1` computes, for M rows (M <= 512, d = 1024, F = 2624):
 

@@ -2,7 +2,7 @@
 // projection chain of 1..kMaxLayers ModernBERT layers (d=1024, F=2624) for M <= 512 rows, as four
 // dependent phases per layer (Wo -> Wi -> Wo_mlp -> next Wqkv).
 //
-// Weights are pre-packed (omnigraph/workers/ops/persistent.py `pack_weight`, `pack_wi`), "n8-major":
+// Weights are pre-packed (persistent_layer.py `pack_weight`, `pack_wi`), "n8-major":
 // W [N, K] -> [N/8, K/32, 8, 4, 8] from W.reshape(N/8, 8, K/32, 4, 8).transpose(0, 2, 1, 3, 4),
 // so the 8 rows of one n8 group over all of K are one contiguous run and a task's weights (a range
 // of n8 groups, full K) are one contiguous run, whatever the tiling. Wi's rows are interleaved

@@ -1,4 +1,4 @@
-"""The persistent layer kernel's contract (omnigraph/workers/ops/persistent.py, csrc/persistent_layer.cu).
+"""The persistent layer kernel's contract (benchmarks/gpu/persistent/: persistent_layer.py, persistent_layer.cu).
 
 On the CPU: the weight packing round-trips, the kernel's fragment mapping (mma.sync m16n8k16 with
 the K permutation that its 16-byte A loads and the packing share) reproduces a @ W^T, and the NumPy
@@ -15,9 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from omnigraph.workers.ops import reference
-from omnigraph.workers.ops.build import find_nvcc
-from omnigraph.workers.ops.persistent import (
+from benchmarks.gpu.persistent.persistent_layer import (
     D,
     F,
     PHASES,
@@ -32,8 +30,10 @@ from omnigraph.workers.ops.persistent import (
     phase_tasks,
     unpack_weight,
 )
+from omnigraph.workers.ops import reference
+from omnigraph.workers.ops.build import find_nvcc
 
-CSRC = Path(__file__).resolve().parents[2] / "omnigraph" / "workers" / "ops" / "csrc"
+CSRC = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu" / "persistent"
 # plans the benchmark times (tiles per phase, K splits per phase); the default first
 PLANS = (
     default_plan(64),
