@@ -37,7 +37,18 @@
 #include <string>
 #include <vector>
 
+#include "hopper_ptx.cuh"
+
 namespace {
+
+using hopper_ptx::BulkLoad;
+using hopper_ptx::GlobalTimer;
+using hopper_ptx::LoadAcquire;
+using hopper_ptx::MbarExpectTx;
+using hopper_ptx::MbarInit;
+using hopper_ptx::MbarWait;
+using hopper_ptx::RedRelease;
+using hopper_ptx::SmemAddr;
 
 constexpr int kLayers = 28;
 constexpr int kStepsPerLayer = 5;
@@ -105,31 +116,8 @@ struct Buffers {
   unsigned long long* span;  // [min start, max end], %globaltimer ns
 };
 
-__device__ inline uint32_t SmemAddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
-__device__ inline void MbarInit(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count));
-}
-__device__ inline void MbarWait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}" ::"r"(SmemAddr(bar)),
-      "r"(parity)
-      : "memory");
-}
 __device__ inline void MbarArrive(uint64_t* bar) {
   asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.shared::cta.b64 st, [%0];\n}" ::"r"(SmemAddr(bar)) : "memory");
-}
-__device__ inline void MbarExpect(uint64_t* bar, uint32_t bytes) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(SmemAddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ inline void BulkCopy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(SmemAddr(smem)),
-      "l"(gmem), "r"(bytes), "r"(SmemAddr(bar))
-      : "memory");
 }
 __device__ inline void MulticastCopy(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar, uint16_t mask) {
   asm volatile(
@@ -156,14 +144,6 @@ __device__ inline void PrefetchL2(const void* gmem, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
 }
 __device__ inline void ConsumerSync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory"); }
-__device__ inline int LoadAcquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ inline void RedRelease(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ inline void StoreRelease(int* p, int v) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -174,11 +154,6 @@ __device__ inline int LoadRelaxed(const int* p) {
 }
 __device__ inline void StoreRelaxed(int* p, int v) {
   asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ inline unsigned long long GlobalTimer() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
 }
 
 __host__ __device__ inline int64_t RoundDown16(int64_t bytes) { return bytes & ~int64_t{15}; }
@@ -243,8 +218,8 @@ __device__ void StreamWeights(const Config& cfg, const Buffers& buf, int grid, c
         const uint32_t round = chunk_index / kWStages;
         if (round > 0) MbarWait(&empty[stage], (round - 1) & 1);
         const uint32_t bytes = static_cast<uint32_t>(share - done < kChunk ? share - done : kChunk);
-        MbarExpect(&full[stage], bytes);
-        BulkCopy(ring + stage * kChunk, src + done, bytes, &full[stage]);
+        MbarExpectTx(&full[stage], bytes);
+        BulkLoad(ring + stage * kChunk, src + done, bytes, &full[stage]);
       }
       step_base += kShapes[s].weight_bytes;
     }
@@ -288,8 +263,8 @@ __device__ uint32_t ReadBulk(const char* a, int64_t bytes, char* ring, uint64_t*
     const uint32_t index = chunk_index + c;
     const int stage = index % kAStages;
     const uint32_t n = static_cast<uint32_t>(bytes - int64_t{c} * kChunk < kChunk ? bytes - int64_t{c} * kChunk : kChunk);
-    MbarExpect(&full[stage], n);
-    BulkCopy(ring + stage * kChunk, a + int64_t{c} * kChunk, n, &full[stage]);
+    MbarExpectTx(&full[stage], n);
+    BulkLoad(ring + stage * kChunk, a + int64_t{c} * kChunk, n, &full[stage]);
   };
   if (threadIdx.x == 0)
     for (int c = 0; c < chunks && c < kAStages; ++c) issue(c);
@@ -321,7 +296,7 @@ __device__ uint32_t ReadMulticast(const char* a, int64_t bytes, char* ring, uint
     const uint32_t piece = (n / size) & ~15u;
     const uint32_t begin = rank * piece;
     const uint32_t mine = rank + 1 == size ? n - begin : piece;
-    MbarExpect(&full[stage], n);
+    MbarExpectTx(&full[stage], n);
     if (mine > 0) MulticastCopy(ring + stage * kChunk + begin, a + int64_t{c} * kChunk + begin, mine, &full[stage], mask);
   };
   if (threadIdx.x == 0)

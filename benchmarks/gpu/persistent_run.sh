@@ -8,7 +8,8 @@
 # times it first with the same arguments, in its own processes (rows tagged kernel=$(basename DIR);
 # the working tree's are kernel=tree). The device gets no git history, so make DIR here and carry
 # it (build/ is ignored), e.g. round 11's kernel (commit a051858):
-# (the kernel lived in omnigraph/workers/ops/csrc/ until round 13):
+# (the kernel lived in omnigraph/workers/ops/csrc/ until round 13; a later one includes
+# ../hopper_ptx.cuh, so put that beside DIR, e.g. build/hopper_ptx.cuh):
 #   mkdir -p build/r11 && for f in persistent_layer.cu persistent_layer.h; do
 #     git show a051858:omnigraph/workers/ops/csrc/$f > build/r11/$f; done
 #   BASE=build/r11 bash benchmarks/gpu/persistent_run.sh ...      # run(carry=["build/r11"])

@@ -35,6 +35,7 @@
 
 #include <cstdint>
 
+#include "../hopper_ptx.cuh"
 #include "persistent_layer.h"
 
 namespace omnigraph {
@@ -102,40 +103,16 @@ __device__ __host__ inline TaskGeo Geo(const PhasePlan& pp, int local) {
   return g;
 }
 
-__device__ inline uint32_t SmemAddr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+using hopper_ptx::BulkLoad;
+using hopper_ptx::GlobalTimer;
+using hopper_ptx::LoadAcquire;
+using hopper_ptx::MbarExpectTx;
+using hopper_ptx::MbarInit;
+using hopper_ptx::MbarWait;
+using hopper_ptx::RedRelease;
 
-__device__ inline void MbarInit(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count));
-}
-__device__ inline void MbarWait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}" ::"r"(SmemAddr(bar)),
-      "r"(parity)
-      : "memory");
-}
-__device__ inline void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("{\n .reg .b64 st;\n mbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}" ::"r"(SmemAddr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ inline void BulkLoad(void* smem, const void* gmem, uint32_t bytes, uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(SmemAddr(smem)),
-      "l"(gmem), "r"(bytes), "r"(SmemAddr(bar))
-      : "memory");
-}
 __device__ inline void ConsumerSync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory"); }
 
-__device__ inline int LoadAcquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ inline void RedRelease(int* p, int v) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 __device__ inline int AtomAddRelease(int* p, int v) {
   int old;
   asm volatile("atom.release.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
@@ -145,11 +122,6 @@ __device__ inline int AtomAddAcqRel(int* p, int v) {
   int old;
   asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
-}
-__device__ inline uint64_t GlobalTimer() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
 }
 
 __device__ inline void Mma(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
