@@ -157,6 +157,8 @@ __device__ inline void StoreRelaxed(int* p, int v) {
 }
 
 __host__ __device__ inline int64_t RoundDown16(int64_t bytes) { return bytes & ~int64_t{15}; }
+// The bytes of the next copy when `left` remain: a whole chunk or the rest.
+__device__ inline uint32_t ChunkBytes(int64_t left) { return static_cast<uint32_t>(left < kChunk ? left : kChunk); }
 
 // What one CTA reads and writes in one step.
 struct StepWork {
@@ -196,7 +198,7 @@ __device__ void PrefetchLayer(const Buffers& buf, int layer, int grid) {
     const int64_t share = WeightShare(s, grid);
     const char* src = buf.weights + layer * kLayerWeightBytes + step_base + blockIdx.x * share;
     for (int64_t done = 0; done < share; done += kChunk)
-      PrefetchL2(src + done, static_cast<uint32_t>(share - done < kChunk ? share - done : kChunk));
+      PrefetchL2(src + done, ChunkBytes(share - done));
     step_base += kShapes[s].weight_bytes;
   }
 }
@@ -217,7 +219,7 @@ __device__ void StreamWeights(const Config& cfg, const Buffers& buf, int grid, c
         const int stage = chunk_index % kWStages;
         const uint32_t round = chunk_index / kWStages;
         if (round > 0) MbarWait(&empty[stage], (round - 1) & 1);
-        const uint32_t bytes = static_cast<uint32_t>(share - done < kChunk ? share - done : kChunk);
+        const uint32_t bytes = ChunkBytes(share - done);
         MbarExpectTx(&full[stage], bytes);
         BulkLoad(ring + stage * kChunk, src + done, bytes, &full[stage]);
       }
@@ -256,48 +258,32 @@ __device__ uint32_t ReadPlain(const char* a, int64_t bytes) {
 }
 
 // Bulk copies into the A ring, 16 KB each, thread 0 issuing; every consumer reads one word of each
-// chunk and the stage is refilled after all of them passed.
-__device__ uint32_t ReadBulk(const char* a, int64_t bytes, char* ring, uint64_t* full, uint32_t& chunk_index) {
+// chunk and the stage is refilled after all of them passed. kMulticast: CTA `rank` of a cluster of
+// `size` copies its 1/size of each chunk into every CTA of the cluster, each CTA's barrier expecting
+// the whole chunk, and a stage is refilled once all `size` CTAs have arrived on the issuer's `empty`
+// barrier for it.
+template <bool kMulticast>
+__device__ uint32_t ReadBulk(const char* a, int64_t bytes, char* ring, uint64_t* full, uint64_t* empty,
+                             uint32_t& chunk_index, uint32_t rank, uint32_t size) {
   const int chunks = static_cast<int>((bytes + kChunk - 1) / kChunk);
+  const uint16_t mask = static_cast<uint16_t>((1u << size) - 1);  // multicast: every CTA of the cluster
   auto issue = [&](int c) {
     const uint32_t index = chunk_index + c;
     const int stage = index % kAStages;
-    const uint32_t n = static_cast<uint32_t>(bytes - int64_t{c} * kChunk < kChunk ? bytes - int64_t{c} * kChunk : kChunk);
-    MbarExpectTx(&full[stage], n);
-    BulkLoad(ring + stage * kChunk, a + int64_t{c} * kChunk, n, &full[stage]);
-  };
-  if (threadIdx.x == 0)
-    for (int c = 0; c < chunks && c < kAStages; ++c) issue(c);
-  uint32_t acc = 0;
-  for (int c = 0; c < chunks; ++c) {
-    const uint32_t index = chunk_index + c;
-    const int stage = index % kAStages;
-    MbarWait(&full[stage], (index / kAStages) & 1);
-    acc ^= reinterpret_cast<const uint32_t*>(ring + stage * kChunk)[threadIdx.x];
-    ConsumerSync();
-    if (threadIdx.x == 0 && c + kAStages < chunks) issue(c + kAStages);
-  }
-  chunk_index += chunks;
-  return acc;
-}
-
-// Multicast: CTA `rank` of a cluster of `size` copies its 1/size of each chunk into every CTA of
-// the cluster; each CTA's barrier expects the whole chunk. A stage is refilled once all `size` CTAs
-// have arrived on the issuer's `empty` barrier for it.
-__device__ uint32_t ReadMulticast(const char* a, int64_t bytes, char* ring, uint64_t* full, uint64_t* empty,
-                                 uint32_t& chunk_index, uint32_t rank, uint32_t size) {
-  const int chunks = static_cast<int>((bytes + kChunk - 1) / kChunk);
-  const uint16_t mask = static_cast<uint16_t>((1u << size) - 1);
-  auto issue = [&](int c) {
-    const uint32_t index = chunk_index + c;
-    const int stage = index % kAStages;
-    if (index >= kAStages) MbarWait(&empty[stage], (index / kAStages - 1) & 1);
-    const uint32_t n = static_cast<uint32_t>(bytes - int64_t{c} * kChunk < kChunk ? bytes - int64_t{c} * kChunk : kChunk);
-    const uint32_t piece = (n / size) & ~15u;
-    const uint32_t begin = rank * piece;
-    const uint32_t mine = rank + 1 == size ? n - begin : piece;
-    MbarExpectTx(&full[stage], n);
-    if (mine > 0) MulticastCopy(ring + stage * kChunk + begin, a + int64_t{c} * kChunk + begin, mine, &full[stage], mask);
+    const uint32_t n = ChunkBytes(bytes - int64_t{c} * kChunk);
+    char* dst = ring + stage * kChunk;
+    const char* src = a + int64_t{c} * kChunk;
+    if constexpr (kMulticast) {
+      if (index >= kAStages) MbarWait(&empty[stage], (index / kAStages - 1) & 1);
+      const uint32_t piece = (n / size) & ~15u;
+      const uint32_t begin = rank * piece;
+      const uint32_t mine = rank + 1 == size ? n - begin : piece;
+      MbarExpectTx(&full[stage], n);
+      if (mine > 0) MulticastCopy(dst + begin, src + begin, mine, &full[stage], mask);
+    } else {
+      MbarExpectTx(&full[stage], n);
+      BulkLoad(dst, src, n, &full[stage]);
+    }
   };
   if (threadIdx.x == 0)
     for (int c = 0; c < chunks && c < kAStages; ++c) issue(c);
@@ -309,7 +295,8 @@ __device__ uint32_t ReadMulticast(const char* a, int64_t bytes, char* ring, uint
     acc ^= reinterpret_cast<const uint32_t*>(ring + stage * kChunk)[threadIdx.x];
     ConsumerSync();
     if (threadIdx.x == 0) {
-      for (uint32_t r = 0; r < size; ++r) MbarArriveRemote(&empty[stage], r);
+      if constexpr (kMulticast)
+        for (uint32_t r = 0; r < size; ++r) MbarArriveRemote(&empty[stage], r);
       if (c + kAStages < chunks) issue(c + kAStages);
     }
   }
@@ -354,9 +341,9 @@ __device__ void RunSteps(const Config& cfg, const Buffers& buf, int grid, uint32
     char* out = buf.act[(step + 1) % 2];
     if (cfg.a_mode == AMode::kPlain) acc ^= ReadPlain(in + w.a_offset, w.a_bytes);
     if (cfg.a_mode == AMode::kBulk && cfg.cluster == 1)
-      acc ^= ReadBulk(in + w.a_offset, w.a_bytes, a_ring, a_full, a_chunks);
+      acc ^= ReadBulk<false>(in + w.a_offset, w.a_bytes, a_ring, a_full, a_empty, a_chunks, rank, 1);
     if (cfg.a_mode == AMode::kBulk && cfg.cluster > 1)
-      acc ^= ReadMulticast(in + w.a_offset, w.a_bytes, a_ring, a_full, a_empty, a_chunks, rank, cfg.cluster);
+      acc ^= ReadBulk<true>(in + w.a_offset, w.a_bytes, a_ring, a_full, a_empty, a_chunks, rank, cfg.cluster);
     if (cfg.weights) TakeWeights(s, grid, w_chunks, w_full, w_empty);
     if (cfg.writes) WriteTile(out, w, acc);
     in_fp32 = w.out_fp32;
