@@ -109,7 +109,6 @@ struct Config {
 
 struct Buffers {
   char* act[2];            // ping-pong activations, FP32-sized
-  int64_t act_bytes;
   const char* weights;     // kLayers x kLayerWeightBytes
   int* counters;           // one per step
   int* flags;              // kFlagStride ints per CTA: the last step it finished
@@ -558,10 +557,11 @@ int main(int argc, char** argv) {
 
   const int max_rows = *std::max_element(rows.begin(), rows.end());
   Buffers buf;
-  buf.act_bytes = int64_t{max_rows} * 5248 * 4 + (1 << 20);
+  // the widest activation any step reads or writes: Wi's FP32 partial sums, 5248 columns
+  const int64_t act_bytes = int64_t{max_rows} * 5248 * 4 + (1 << 20);
   for (char*& a : buf.act) {
-    Check(cudaMalloc(&a, buf.act_bytes), "cudaMalloc act");
-    Check(cudaMemset(a, 0, buf.act_bytes), "memset act");
+    Check(cudaMalloc(&a, act_bytes), "cudaMalloc act");
+    Check(cudaMemset(a, 0, act_bytes), "memset act");
   }
   char* weights;
   Check(cudaMalloc(&weights, kLayers * kLayerWeightBytes), "cudaMalloc weights");
