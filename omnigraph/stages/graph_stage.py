@@ -136,6 +136,9 @@ class GraphReplica:
         self.fenced_calls = 0
         self.hang_grace_s = hang_grace_s
         self.retired_reason: str | None = None
+        # Set by the monitor when the worker exited during a call; the call's driver retires the
+        # replica once the call ends (its reply may have been in before the exit).
+        self._exited: str | None = None
         self.exit_verified: bool | None = None
         self.calls = 0
         self.items = 0
@@ -208,16 +211,21 @@ class GraphReplica:
             if self._current:
                 self.client.kill()
 
-    def retire_if_idle(self, reason: str) -> bool:
-        """Retire the replica unless a call is in flight (whose thread then sees the fault itself):
-        what the stage does when a worker dies between calls. True if it retired here."""
+    def worker_exited(self) -> None:
+        """From the monitor: the worker process is gone. An idle replica retires (and is replaced)
+        now; a busy one as soon as its call ends, since the call may still get its reply (a worker
+        can answer, then exit) and a call that fails retires the replica itself."""
+        returncode = self.client.returncode
+        status = "" if returncode is None else f" with status {returncode}"
         with self._lock:
-            if self.retired_reason is not None or self._current:
-                return False
-            self.retired_reason = reason
+            if self.retired_reason is not None:
+                return
+            if self._current:
+                self._exited = f"worker {self.client.pid} exited{status} during a call"
+                return
+            self.retired_reason = f"worker {self.client.pid} exited while idle{status}"
         self.stage.queue.wake_all()  # this replica's thread waits for work: it stops instead
         self._settle_retirement((), None)
-        return True
 
     def _retired(self) -> bool:
         return self.retired_reason is not None
@@ -333,40 +341,54 @@ class GraphReplica:
         call_id = first.request_id if len(items) == 1 else f"{first.request_id}+{len(items) - 1}"
         return _Call(entries, items, tensors, inputs, call_id[:256])
 
-    def _close_call(self, call: _Call, outputs: dict[str, np.ndarray] | None) -> None:
-        """The reply is in (None: fenced, discarded): nothing is in flight; the live items complete."""
+    def _close_call(self, call: _Call, outputs: dict[str, np.ndarray] | None) -> str | None:
+        """The reply is in (None: fenced, discarded): nothing is in flight; the live items complete.
+        Returns why the replica must retire now (its worker exited during the call), else None."""
         seconds = time.perf_counter() - call.started
-        self._end_call()
+        exited = self._end_call()
         self.calls += 1
         self.items += len(call.items)
         self.last_call_s = seconds
-        if outputs is None:  # fenced: every request of the call was gone; the worker serves on
-            return
+        if outputs is None:  # fenced: every request of the call was gone
+            return exited
         try:
             shares = self.stage.queue.adapter.unpack(outputs, call.tensors)
         except Exception as exc:  # the graph's outputs do not fit its adapter: every item fails, the worker is fine
             for item in call.items:
                 item.fail(exc)
-            return
+            return exited
         with one_wake_up():  # the call's requests are finished together, whichever loop awaits them
             for item, share in zip(call.items, shares):
                 if item.is_live():
                     item.complete(share, seconds)
+        return exited
 
     def _call_failed(self, call: _Call, exc: BaseException) -> bool:
         """Route a failed call's error: to its requests, and maybe retirement. False once the
-        replica retired. A merged call refused for a request-level fault runs item by item."""
-        self._end_call()
+        replica retired. A merged call refused for a request-level fault runs item by item (on a
+        worker that exited meanwhile, those calls fail and retire it)."""
         if _request_level(exc):
             if len(call.entries) > 1:
+                self._end_call()
                 return self._call_each(call.entries)
-            call.items[0].fail(exc)
+            exited = self._request_failed(call, exc)
+            if exited is not None:
+                self.retire(exited)
+                return False
             return True
+        self._end_call()
         error = StageUnavailable(f"stage {self.stage.stage_id} replica {self.replica} failed during request "
                                  f"{call.call_id}: {type(exc).__name__}: {exc}")
         error.__cause__ = exc
         self.retire(f"{type(exc).__name__}: {exc}", failed=call.items, error=error)
         return False
+
+    def _request_failed(self, call: _Call, exc: BaseException) -> str | None:
+        """A one-item call failed for its request alone: the request fails, the worker serves on
+        unless it exited during the call (returned: why the replica must retire)."""
+        exited = self._end_call()
+        call.items[0].fail(exc)
+        return exited
 
     def _fence(self, items: Sequence[WorkItem]) -> list[Callable[[], None]]:
         """No request of the call is live: raise the epoch (the late reply will be discarded) and
@@ -400,7 +422,10 @@ class GraphReplica:
             outputs = self._await_reply(call)
         except BaseException as exc:
             return self._call_failed(call, exc)
-        self._close_call(call, outputs)
+        exited = self._close_call(call, outputs)
+        if exited is not None:
+            self.retire(exited)
+            return False
         return True
 
     def _await_reply(self, call: _Call) -> dict[str, np.ndarray] | None:
@@ -443,10 +468,12 @@ class GraphReplica:
                 return False
         return True
 
-    def _end_call(self) -> None:
-        """The call is over: nothing is in flight."""
+    def _end_call(self) -> str | None:
+        """The call is over: nothing is in flight. Returns why the worker is gone if the monitor
+        saw it exit during the call."""
         with self._lock:
             self._current = ()
+            return self._exited
 
     # -- an event loop drives a call (the batch-1 path: no thread hand-off) ------------------------
 
@@ -509,30 +536,46 @@ class GraphReplica:
         self.stage.queue.wake_all()
 
     def loop_call_ended(self, call: _Call, outputs: dict[str, np.ndarray] | None) -> None:
+        """A loop-driven call's reply is in: its requests complete here; a worker that exited
+        during the call is retired on a thread of its own (retirement waits for the process)."""
         self._loop_reply = None
         try:
-            self._close_call(call, outputs)
-        finally:
+            exited = self._close_call(call, outputs)
+        except BaseException:
             self._driver.release()
+            raise
+        self._release_or_retire(exited)
 
     def loop_call_failed(self, call: _Call, exc: BaseException) -> None:
         """A loop-driven call failed: a request-level fault fails its request here; anything else
         retires the worker on a thread of its own (retirement waits for the process to exit)."""
         self._loop_reply = None
-        if _request_level(exc):
-            try:
-                self._call_failed(call, exc)
-            finally:
-                self._driver.release()
+        if not _request_level(exc):
+            self._off_the_loop(lambda: self._call_failed(call, exc))
             return
+        try:
+            exited = self._request_failed(call, exc)
+        except BaseException:
+            self._driver.release()
+            raise
+        self._release_or_retire(exited)
 
-        def retire() -> None:
+    def _release_or_retire(self, exited: str | None) -> None:
+        """After a loop-driven call: free the replica, or retire it (the worker exited meanwhile)."""
+        if exited is None:
+            self._driver.release()
+        else:
+            self._off_the_loop(lambda: self.retire(exited))
+
+    def _off_the_loop(self, retire: Callable[[], object]) -> None:
+        """Run `retire` on a thread of its own, holding the driver until it is done."""
+        def run() -> None:
             try:
-                self._call_failed(call, exc)
+                retire()
             finally:
                 self._driver.release()
 
-        threading.Thread(target=retire, name=f"omnigraph-stage{self.stage.stage_id}-retire{self.replica}",
+        threading.Thread(target=run, name=f"omnigraph-stage{self.stage.stage_id}-retire{self.replica}",
                          daemon=True).start()
 
 
@@ -738,7 +781,7 @@ class GraphStage:
         """Start a replica's thread, its worker's exit watched by the monitor."""
         replica.start_serving()
         if self.monitor is not None:
-            self.monitor.watch_exit(replica.client.process, lambda: self.worker_exited(replica))
+            self.monitor.watch_exit(replica.client.process, replica.worker_exited)
 
     def submit(self, item: WorkItem) -> None:
         """Queue a work item for the next free replica; fails fast while no replica is live.
@@ -869,13 +912,6 @@ class GraphStage:
                                       name=f"omnigraph-stage{self.stage_id}-replace{replica.replica}", daemon=True)
             self._threads.append(thread)
             thread.start()
-
-    def worker_exited(self, replica: GraphReplica) -> None:
-        """From the monitor: the replica's worker process is gone. An idle replica is retired (and
-        replaced) now; a busy one finds out on its call."""
-        returncode = replica.client.returncode
-        replica.retire_if_idle(f"worker {replica.client.pid} exited while idle"
-                               + ("" if returncode is None else f" with status {returncode}"))
 
     def check_bundle(self) -> None:
         """From the monitor: re-verify the bundle; a change turns the stage unavailable (naming the

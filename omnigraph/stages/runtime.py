@@ -14,7 +14,8 @@ A retired replica (graph_stage.py: a worker that died, broke the wire or hung; n
 cancellation or deadline) is replaced in the background, never on a request's path: once the OS
 has confirmed its worker's exit and its reservation is released, a new worker generation of the
 same stage reserves the stage's demands again, starts, loads and warms up, then joins the stage's
-queue. A worker that dies while idle is noticed at once (StageMonitor) and replaced eagerly. The
+queue. A worker that dies while idle is noticed at once (StageMonitor) and replaced eagerly; one
+that dies during a call whose reply was already in is retired as that call ends. The
 deploy key `restart` bounds the starts (RestartBudget); past it the stage backs off with growing
 delays and recovers by itself, and a start that fails counts as a restart and gives back all it
 took. Each bundle is re-verified every `reverify_interval_s` and before every replacement start: a
