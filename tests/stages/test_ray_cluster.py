@@ -336,7 +336,8 @@ async def _serve_through_a_node_loss(cluster: Cluster, plan: Path) -> None:
         while sorted(_nodes_of(omni)[0]) != [node_d, node_d] and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
         watcher.cancel()
-        assert _nodes_of(omni)[0] == [node_d, node_d]  # the lost replica was replaced on the survivor
+        # the lost replica was replaced on the survivor (else: what each replica slot says)
+        assert _nodes_of(omni)[0] == [node_d, node_d], omni.execution_plan["stages"][0]["replicas"]
         ledger = omni.runtime.ledger.snapshot()["constraints"]  # and charged there; the lost one released
         assert ledger[f"machine:ram@{node_d}"]["held"] == 2 * (256 << 20)
         assert (ledger[f"machine:ram@{node_e}"]["held"], ledger[f"machine:ram@{node_e}"]["quarantined"]) == (0, 0)
