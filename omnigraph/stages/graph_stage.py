@@ -371,11 +371,7 @@ class GraphReplica:
             if len(call.entries) > 1:
                 self._end_call()
                 return self._call_each(call.entries)
-            exited = self._request_failed(call, exc)
-            if exited is not None:
-                self.retire(exited)
-                return False
-            return True
+            return self._serves_on(self._request_failed(call, exc))
         self._end_call()
         error = StageUnavailable(f"stage {self.stage.stage_id} replica {self.replica} failed during request "
                                  f"{call.call_id}: {type(exc).__name__}: {exc}")
@@ -422,11 +418,15 @@ class GraphReplica:
             outputs = self._await_reply(call)
         except BaseException as exc:
             return self._call_failed(call, exc)
-        exited = self._close_call(call, outputs)
-        if exited is not None:
-            self.retire(exited)
-            return False
-        return True
+        return self._serves_on(self._close_call(call, outputs))
+
+    def _serves_on(self, exited: str | None) -> bool:
+        """After a call on the replica's thread: True, or, once its worker exited during the call,
+        retire the replica and False."""
+        if exited is None:
+            return True
+        self.retire(exited)
+        return False
 
     def _await_reply(self, call: _Call) -> dict[str, np.ndarray] | None:
         """The call's outputs, or None once the call was fenced and its late reply discarded.
@@ -539,12 +539,7 @@ class GraphReplica:
         """A loop-driven call's reply is in: its requests complete here; a worker that exited
         during the call is retired on a thread of its own (retirement waits for the process)."""
         self._loop_reply = None
-        try:
-            exited = self._close_call(call, outputs)
-        except BaseException:
-            self._driver.release()
-            raise
-        self._release_or_retire(exited)
+        self._settle_on_loop(lambda: self._close_call(call, outputs))
 
     def loop_call_failed(self, call: _Call, exc: BaseException) -> None:
         """A loop-driven call failed: a request-level fault fails its request here; anything else
@@ -553,15 +548,16 @@ class GraphReplica:
         if not _request_level(exc):
             self._off_the_loop(lambda: self._call_failed(call, exc))
             return
+        self._settle_on_loop(lambda: self._request_failed(call, exc))
+
+    def _settle_on_loop(self, settle: Callable[[], str | None]) -> None:
+        """Settle a loop-driven call on the loop (`settle` returns why the worker is gone, if it
+        exited during the call); then free the replica, or retire it off the loop."""
         try:
-            exited = self._request_failed(call, exc)
+            exited = settle()
         except BaseException:
             self._driver.release()
             raise
-        self._release_or_retire(exited)
-
-    def _release_or_retire(self, exited: str | None) -> None:
-        """After a loop-driven call: free the replica, or retire it (the worker exited meanwhile)."""
         if exited is None:
             self._driver.release()
         else:
