@@ -44,11 +44,14 @@ namespace {
 using hopper_ptx::BulkLoad;
 using hopper_ptx::GlobalTimer;
 using hopper_ptx::LoadAcquire;
+using hopper_ptx::LoadRelaxed;
 using hopper_ptx::MbarExpectTx;
 using hopper_ptx::MbarInit;
 using hopper_ptx::MbarWait;
 using hopper_ptx::RedRelease;
 using hopper_ptx::SmemAddr;
+using hopper_ptx::StoreRelaxed;
+using hopper_ptx::StoreRelease;
 
 constexpr int kLayers = 28;
 constexpr int kStepsPerLayer = 5;
@@ -143,17 +146,6 @@ __device__ inline void PrefetchL2(const void* gmem, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
 }
 __device__ inline void ConsumerSync() { asm volatile("bar.sync 1, %0;" ::"n"(kConsumerWarps * 32) : "memory"); }
-__device__ inline void StoreRelease(int* p, int v) {
-  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ inline int LoadRelaxed(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ inline void StoreRelaxed(int* p, int v) {
-  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
 
 __host__ __device__ inline int64_t RoundDown16(int64_t bytes) { return bytes & ~int64_t{15}; }
 // The bytes of the next copy when `left` remain: a whole chunk or the rest.

@@ -1,6 +1,6 @@
 // The PTX wrappers that issue 19's GPU programs share (persistent/persistent_layer.cu and
-// chain_floor.cu): shared-memory mbarriers, 1-D bulk copies into shared memory, release/acquire on
-// global counters, and the global timer. sm_90a.
+// chain_floor.cu): shared-memory mbarriers, 1-D bulk copies into shared memory, release/acquire and
+// relaxed loads and stores of global counters and flags, and the global timer. sm_90a.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +42,17 @@ __device__ inline int LoadAcquire(const int* p) {
 }
 __device__ inline void RedRelease(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ inline void StoreRelease(int* p, int v) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ inline int LoadRelaxed(const int* p) {
+  int v;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ inline void StoreRelaxed(int* p, int v) {
+  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 __device__ inline uint64_t GlobalTimer() {
